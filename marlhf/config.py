@@ -1,0 +1,314 @@
+"""One documented config per stage, sharing a base — and one parser that turns them into CLI flags.
+
+Field names are DeepSpeed-Chat's flag names, so its launch scripts (and the released MA-RLHF ones) work
+unchanged.  Each field's ``help`` is its documentation; :func:`parse_args` builds an ``argparse`` parser
+from the dataclass, merges an optional ``--config file.{json,yaml}`` under the command line, adds
+DeepSpeed's own ``--deepspeed``/``--deepspeed_config`` flags, and validates everything in one place
+(:meth:`BaseArgs.validate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def opt(default, help: str, choices=None, aliases=()):  # noqa: A002 - mirrors argparse's name
+    """A dataclass field carrying its CLI help text (and optional choices / extra flag spellings)."""
+    kwargs = {"default_factory": (lambda: list(default))} if isinstance(default, list) else {"default": default}
+    return field(metadata={"help": help, "choices": choices, "aliases": tuple(aliases)}, **kwargs)
+
+
+@dataclass
+class BaseArgs:
+    """Flags every stage shares: data, DeepSpeed, precision, LoRA, schedule, logging, checkpoints."""
+
+    # --- data -------------------------------------------------------------------------------------------
+    data_path: list[str] = opt(["synthetic"], "Datasets: hub names, NAME:LOCAL_PATH, local json/jsonl/parquet "
+                               "files with prompt/chosen/rejected, or 'synthetic[:k=v,...]' (the embedded task).")
+    data_split: str = opt("2,4,4", "Comma-separated shares of each dataset for step 1 / step 2 / step 3 "
+                          "(disjoint, seeded).")
+    data_output_path: str = opt("/tmp/data_files", "Where tokenized datasets are cached (keyed by every input "
+                                "that changes them).")
+    bad_rows: str = opt("error", "A bad input row (missing/empty/mistyped field, over-long prompt): 'error' "
+                        "stops with file/row/field, 'skip' drops it and counts it in the log.",
+                        choices=("error", "skip"))
+    eval_fraction: float = opt(0.05, "Share of training records held out for evaluation when a dataset has no "
+                               "test split.")
+    max_eval_samples: int = opt(512, "Cap on evaluation examples (0 = no cap).")
+    end_of_conversation_token: str = opt("<|endoftext|>", "Appended to every response; the token that ends an "
+                                         "answer in step 3.")
+    num_padding_at_beginning: int = opt(1, "Padding tokens the tokenizer puts before the text (OPT: 1). Used "
+                                        "only where a score position must be found from token ids alone.")
+    # --- optimisation -------------------------------------------------------------------------------------
+    num_train_epochs: int = opt(1, "Passes over the training data.")
+    max_steps: int = opt(0, "Stop after this many optimizer steps (0 = run all epochs). Handy for smoke runs.")
+    lr_scheduler_type: str = opt("cosine", "Learning-rate schedule after warmup.",
+                                 choices=("linear", "cosine", "constant", "constant_with_warmup"))
+    num_warmup_steps: int = opt(0, "Warmup steps (wins over --warmup_ratio when > 0).")
+    warmup_ratio: float = opt(0.0, "Warmup as a fraction of total steps.")
+    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.")
+    seed: int = opt(1234, "Seed for data split, sampling order, initialisation and generation.")
+    # --- DeepSpeed / precision ----------------------------------------------------------------------------
+    local_rank: int = opt(-1, "Set by the deepspeed launcher.")
+    zero_stage: int = opt(0, "ZeRO stage 0-3.", choices=(0, 1, 2, 3))
+    offload: bool = opt(False, "Offload optimizer state (and ZeRO-3 params) to CPU (DeepSpeedCPUAdam).")
+    dtype: str = opt("fp32", "Training dtype. fp16 needs an accelerator with fp16 loss scaling.",
+                     choices=("fp32", "bf16", "fp16"))
+    bf16: bool = opt(False, "Same as --dtype bf16 (older launch scripts).")
+    # --- LoRA ---------------------------------------------------------------------------------------------
+    lora_dim: int = opt(0, "LoRA rank; 0 disables LoRA.")
+    lora_module_name: str = opt("", "Comma-separated module-name substrings that get LoRA (empty = all linear "
+                                "layers of the decoder blocks).")
+    only_optimize_lora: bool = opt(False, "Freeze everything but the LoRA weights.")
+    lora_learning_rate: float = opt(5e-4, "Learning rate of the LoRA weights.")
+    # --- output / logging ---------------------------------------------------------------------------------
+    output_dir: str = opt("./output", "Where the final Hugging Face model, logs and checkpoints go.")
+    print_loss: bool = opt(False, "Print the loss of every step on rank 0.")
+    eval_interval: int = opt(0, "Evaluate every N optimizer steps (0 = only at epoch ends).")
+    save_steps: int = opt(0, "Save a DeepSpeed checkpoint every N optimizer steps (0 = only at the end).")
+    keep_checkpoints: int = opt(2, "How many step checkpoints to keep.")
+    resume: bool = opt(False, "Continue from the latest checkpoint in --output_dir/checkpoints.")
+    enable_tensorboard: bool = opt(False, "Write TensorBoard event files.")
+    tensorboard_path: str = opt("", "TensorBoard directory (default: <output_dir>/tensorboard).")
+    disable_progress_bar: bool = opt(False, "No tqdm progress bar (logs still printed).")
+
+    def validate(self) -> None:
+        """Check cross-field constraints once, so the training code can trust its config."""
+        if self.bf16:
+            self.dtype = "bf16"
+        shares = self.data_split.split(",")
+        if len(shares) != 3 or not all(_is_number(s) and float(s) >= 0 for s in shares) \
+                or sum(float(s) for s in shares) <= 0:
+            raise ValueError(f"--data_split must be three non-negative numbers like 2,4,4, got {self.data_split!r}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError("--gradient_accumulation_steps must be >= 1")
+        if self.only_optimize_lora and self.lora_dim <= 0:
+            raise ValueError("--only_optimize_lora needs --lora_dim > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not self.tensorboard_path:
+            self.tensorboard_path = os.path.join(self.output_dir, "tensorboard")
+
+
+@dataclass
+class SupervisedArgs(BaseArgs):
+    """Steps 1 and 2: one model trained on a supervised objective."""
+
+    model_name_or_path: str = opt("", "Hugging Face model name or local folder (default: the embedded tiny "
+                                  "model, built on first use).")
+    per_device_train_batch_size: int = opt(8, "Micro-batch size per rank for training.")
+    per_device_eval_batch_size: int = opt(8, "Micro-batch size per rank for evaluation.")
+    max_seq_len: int = opt(512, "Prompt + response tokens; longer responses are truncated, longer prompts are "
+                           "bad rows.")
+    learning_rate: float = opt(1e-3, "Peak learning rate.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
+    dropout: float | None = opt(None, "Override the model's dropout probabilities (None keeps the config's).")
+
+
+@dataclass
+class SFTArgs(SupervisedArgs):
+    """Step 1: supervised fine-tuning on prompt + chosen response (loss on response tokens only)."""
+
+
+@dataclass
+class RewardArgs(SupervisedArgs):
+    """Step 2: reward model = base LM + scalar head, pairwise loss -log σ(r⁺ - r⁻)."""
+
+    learning_rate: float = opt(5e-4, "Peak learning rate.")
+
+
+@dataclass
+class RLHFArgs(BaseArgs):
+    """Step 3: MA-PPO (PPO over macro actions; n = 1 is vanilla PPO, n = ∞ one action per response)."""
+
+    actor_model_name_or_path: str = opt("", "The SFT model (step 1 output).")
+    critic_model_name_or_path: str = opt("", "The reward model (step 2 output); also initialises the critic.")
+    reward_model_name_or_path: str = opt("", "A different reward model than the critic's init (default: same).")
+    unsupervised_dataset_name: str = opt("", "Dataset for the ptx (pre-training) loss; empty disables it.")
+    unsup_coef: float = opt(27.8, "Weight of the ptx loss.")
+    per_device_generation_batch_size: int = opt(8, "Prompts per rank per generation batch.")
+    per_device_training_batch_size: int = opt(8, "Experiences per rank per PPO micro-batch.")
+    generation_batches: int = opt(1, "Generation batches collected before each PPO update.")
+    ppo_epochs: int = opt(1, "PPO passes over each collected experience batch.")
+    max_prompt_seq_len: int = opt(256, "Longer prompts are bad rows.")
+    max_answer_seq_len: int = opt(256, "Maximum generated tokens.")
+    actor_learning_rate: float = opt(1e-4, "Actor peak learning rate.")
+    critic_learning_rate: float = opt(1e-4, "Critic peak learning rate.")
+    actor_weight_decay: float = opt(0.0, "Actor AdamW weight decay.")
+    critic_weight_decay: float = opt(0.0, "Critic AdamW weight decay.")
+    actor_zero_stage: int = opt(0, "ZeRO stage of the actor (and reference).", choices=(0, 1, 2, 3))
+    critic_zero_stage: int = opt(0, "ZeRO stage of the critic (and reward model).", choices=(0, 1, 2, 3))
+    offload_reference_model: bool = opt(False, "Keep reference/reward parameters offloaded to CPU.")
+    actor_gradient_checkpointing: bool = opt(False, "Gradient checkpointing in the actor.")
+    critic_gradient_checkpointing: bool = opt(False, "Gradient checkpointing in the critic.")
+    actor_dropout: float | None = opt(0.0, "Actor dropout (0 makes PPO ratios exact).")
+    critic_dropout: float | None = opt(0.0, "Critic dropout.")
+    enable_hybrid_engine: bool = opt(False, "DeepSpeed hybrid engine for generation (GPU only).")
+    inference_tp_size: int = opt(1, "Hybrid engine tensor-parallel size.")
+    tp_gather_partition_size: int = opt(8, "Hybrid engine gather partition size.")
+    release_inference_cache: bool = opt(False, "Hybrid engine: free the KV cache after generation.")
+    unpin_actor_parameters: bool = opt(False, "Hybrid engine: unpin parameters (ZeRO-3).")
+    enable_ema: bool = opt(False, "Keep an exponential moving average of the actor.")
+    ema_decay: float = opt(0.992, "EMA decay.")
+    enable_mixed_precision_lora: bool = opt(False, "Keep LoRA weights in fp32 under bf16/fp16 (GPU feature).")
+    actor_lora_dim: int = opt(0, "Actor LoRA rank (0 = --lora_dim).")
+    actor_lora_module_name: str = opt("", "Actor LoRA modules (empty = --lora_module_name).")
+    critic_lora_dim: int = opt(0, "Critic LoRA rank.")
+    critic_lora_module_name: str = opt("", "Critic LoRA modules.")
+    # --- PPO / macro actions ------------------------------------------------------------------------------
+    kl_ctl: float = opt(0.05, "β of the per-token KL penalty -β(logπ - logπ_ref).")
+    clip_reward_value: float = opt(5.0, "RM scores are clipped to ±this.")
+    cliprange: float = opt(0.2, "PPO policy ratio clip ε.")
+    cliprange_value: float = opt(0.2, "Value clip around the old values.")
+    gamma: float = opt(1.0, "Discount γ between macro steps.")
+    lam: float = opt(0.95, "GAE λ.")
+    whiten_advantages: bool = opt(False, "Whiten advantages over the batch (breaks batch invariance).")
+    temperature: float = opt(0.8, "Sampling temperature.")
+    top_k: int = opt(50, "Top-k sampling (0 disables).")
+    top_p: float = opt(1.0, "Nucleus sampling.")
+    termination_condition: str = opt("fixed", "Macro-action termination rule ζ (paper §3.2.1).",
+                                     choices=("fixed", "randomized", "ppl", "parsing", "word"))
+    ngram: str = opt("5", "n of the fixed rule: 1 = vanilla PPO, 0 or inf = one macro action per response.")
+    repeat_times: int = opt(3, "Randomized rule: times the length list {2,3,5,10} is repeated.")
+    parser_cutoff: int = opt(5, "Parsing rule: a tree node with fewer than C tokens is one macro action.")
+    parser_backend: str = opt("auto", "Parsing rule backend.",
+                              choices=("auto", "benepar", "spacy", "treesitter", "redbaron"))
+    response_kind: str = opt("text", "Parsing rule: responses are natural language or Python code.",
+                             choices=("text", "code"))
+    value_function: str = opt("equal", "σ weights of token values inside a macro action (paper D.1).",
+                              choices=("equal", "unit", "position"))
+    macro_reward: str = opt("sum", "Macro reward: 'sum' (paper, ρ = 1) or 'compat' (released code: σ-weighted, "
+                            "last token its own macro action).", choices=("sum", "compat"))
+    policy_ratio: str = opt("token", "PPO ratio per token with the macro advantage (released code) or per "
+                            "macro action exp(Σ Δlogπ) (paper eq.)", choices=("token", "macro"))
+    reward_source: str = opt("reward_model", "Where the sequence score comes from: the reward model, or the "
+                             "embedded task's gold scorer.", choices=("reward_model", "gold"))
+    print_answers: bool = opt(False, "Print a sample prompt/answer every --print_answers_interval steps.")
+    print_answers_interval: int = opt(1, "Steps between printed answers.")
+
+    def validate(self) -> None:
+        super().validate()
+        _ = self.ngram_n  # raises on a bad --ngram
+        if self.per_device_training_batch_size > self.per_device_generation_batch_size * self.generation_batches:
+            raise ValueError("--per_device_training_batch_size cannot exceed the experiences collected per update "
+                             "(--per_device_generation_batch_size x --generation_batches)")
+
+    @property
+    def ngram_n(self) -> int | None:
+        """--ngram as an int, None meaning ∞ (one macro action per response)."""
+        text = str(self.ngram).strip().lower()
+        if text in ("0", "inf", "infinity", "none"):
+            return None
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"--ngram must be a positive integer, 0 or inf, got {self.ngram!r}")
+        return int(text)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------
+# dataclass -> argparse
+# --------------------------------------------------------------------------------------------------------
+def _base_type(annotation):
+    """(python type, is_list, is_optional) of an annotation such as ``float | None`` or ``list[str]``."""
+    hint, optional = annotation, False
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint, origin, optional = args[0], typing.get_origin(args[0]), True
+    if origin is list:
+        return typing.get_args(hint)[0], True, optional
+    return hint, False, optional
+
+
+def build_parser(cls: type[BaseArgs], description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description or cls.__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", type=str, default=None,
+                        help="JSON or YAML file of flag values; the command line overrides it.")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        typ, is_list, optional = _base_type(hints[f.name])
+        names = [f"--{f.name}", *meta.get("aliases", ())]
+        kwargs = {"help": meta.get("help", ""), "dest": f.name}
+        if typ is bool:
+            parser.add_argument(*names, action="store_true", **kwargs)
+            continue
+        kwargs["type"] = _none_or(typ) if optional else typ
+        if is_list:
+            kwargs["nargs"] = "+"
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        parser.add_argument(*names, **kwargs)
+    parser.set_defaults(**{f.name: _default(f) for f in dataclasses.fields(cls)})
+    try:  # DeepSpeed's own --deepspeed / --deepspeed_config, as DeepSpeed-Chat's scripts pass them
+        import deepspeed
+
+        parser = deepspeed.add_config_arguments(parser)
+    except ImportError:  # pragma: no cover - deepspeed is a hard requirement; keep --help usable without it
+        pass
+    return parser
+
+
+def _none_or(typ):
+    def convert(text: str):
+        return None if text.lower() == "none" else typ(text)
+
+    convert.__name__ = typ.__name__
+    return convert
+
+
+def _default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
+def load_config_file(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flag names to values")
+    return data
+
+
+def parse_args(cls: type[BaseArgs], argv: list[str] | None = None):
+    """Parse the command line (plus an optional --config file) into a validated ``cls`` instance.
+
+    Returns ``(args, namespace)``: the typed config, and the raw namespace holding DeepSpeed's extra flags.
+    """
+    parser = build_parser(cls)
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        values = load_config_file(pre.config)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{pre.config}: unknown keys {unknown}")
+        parser.set_defaults(**values)
+    ns = parser.parse_args(argv)
+    args = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    args.validate()
+    return args, ns

@@ -1,0 +1,256 @@
+"""Records -> deterministic phase splits -> tokenized, cached datasets and their collators.
+
+Phase 1 (SFT) trains on prompt + chosen with loss on response tokens; phase 2 (reward model) on
+(chosen, rejected) pairs; phase 3 (RLHF) on prompts.  ``--data_split 2,4,4`` gives each dataset's
+records to the three phases in those shares, by a seeded permutation, so the phases never overlap.
+Evaluation data is the dataset's test split or, when it has none, a seeded held-out slice of train that
+no phase sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from marlhf.data.records import BadRowPolicy, DataError, Record
+from marlhf.utils import dist
+
+log = logging.getLogger("marlhf")
+
+PHASES = {1: "sft", 2: "reward", 3: "rlhf"}
+CACHE_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# splitting
+# --------------------------------------------------------------------------------------------------------
+def split_indices(n: int, data_split: str, phase: int, seed: int) -> list[int]:
+    """Indices of ``n`` records that belong to ``phase`` (1, 2 or 3) under ``data_split``.
+
+    A seeded permutation is cut at the cumulative shares, so the three phases partition range(n)."""
+    shares = [float(s) for s in data_split.split(",")]
+    total = sum(shares)
+    bounds = [0]
+    for s in shares:
+        bounds.append(bounds[-1] + s)
+    cuts = [round(n * b / total) for b in bounds]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[cuts[phase - 1]:cuts[phase]])
+
+
+def holdout_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) indices: a seeded ``fraction`` of ``n`` held out for evaluation."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    k = int(round(n * fraction)) if n > 1 else 0
+    return sorted(perm[k:]), sorted(perm[:k])
+
+
+def phase_records(specs: list[str], data_split: str, phase: int, seed: int, eval_fraction: float,
+                  policy: BadRowPolicy) -> tuple[list[Record], list[Record]]:
+    """(train, eval) records of ``phase`` over all datasets in ``specs``."""
+    from marlhf.data.adapters import load_records
+
+    train, evaluation = [], []
+    for spec in specs:
+        records = load_records(spec, split="train", bad_rows=policy)
+        if not records:
+            raise ValueError(f"dataset {spec!r} has no usable training rows")
+        test = load_records(spec, split="test", bad_rows=policy)
+        if test is None:
+            keep, held = holdout_indices(len(records), eval_fraction, seed)
+            test = [records[i] for i in held]
+            records = [records[i] for i in keep]
+        train += [records[i] for i in split_indices(len(records), data_split, phase, seed)]
+        evaluation += test
+        log.info("%s: %d train records for phase %d (%s), %d eval records", spec, len(train), phase,
+                 PHASES[phase], len(test))
+    return train, evaluation
+
+
+# --------------------------------------------------------------------------------------------------------
+# tokenization
+# --------------------------------------------------------------------------------------------------------
+def _where(rec: Record) -> tuple[str, int]:
+    file, _, row = rec.source.rpartition(":")
+    return (file or rec.source or "<records>"), int(row) if row.isdigit() else -1
+
+
+def encode_pair(tokenizer, prompt: str, response: str, eot: str, max_len: int) -> tuple[list[int], int]:
+    """Token ids of prompt+response+eot (truncated to ``max_len``) and where the response starts."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    full = tokenizer(prompt + response + eot)["input_ids"]
+    start = 0  # common prefix: joint tokenization may merge across the boundary
+    while start < min(len(prompt_ids), len(full)) and prompt_ids[start] == full[start]:
+        start += 1
+    return full[:max_len], start
+
+
+def _check_prompt(tokenizer, rec: Record, limit: int, policy: BadRowPolicy, reserve: int = 1) -> list[int] | None:
+    ids = tokenizer(rec.prompt)["input_ids"]
+    if len(ids) + reserve > limit:
+        file, row = _where(rec)
+        policy.handle(DataError(file, row, "prompt", f"{len(ids)} tokens, longer than the limit {limit - reserve}"))
+        return None
+    return ids
+
+
+def tokenize_phase(records: list[Record], phase: int, tokenizer, *, eot: str, max_seq_len: int,
+                   max_prompt_len: int, policy: BadRowPolicy) -> list[dict]:
+    """Turn records into the token-id examples of ``phase`` (lists of ints, cheap to cache)."""
+    out = []
+    for rec in records:
+        if phase == 3:
+            ids = _check_prompt(tokenizer, rec, max_prompt_len, policy, reserve=0)
+            if ids is not None:
+                out.append({"prompt_ids": ids})
+            continue
+        if _check_prompt(tokenizer, rec, max_seq_len, policy) is None:
+            continue
+        if phase == 1:
+            ids, start = encode_pair(tokenizer, rec.prompt, rec.chosen, eot, max_seq_len)
+            out.append({"input_ids": ids, "response_start": start})
+        else:
+            if rec.rejected is None:
+                file, row = _where(rec)
+                policy.handle(DataError(file, row, "rejected", "missing (a reward model needs preference pairs)"))
+                continue
+            chosen, _ = encode_pair(tokenizer, rec.prompt, rec.chosen, eot, max_seq_len)
+            rejected, _ = encode_pair(tokenizer, rec.prompt, rec.rejected, eot, max_seq_len)
+            out.append({"chosen_ids": chosen, "rejected_ids": rejected})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# caching
+# --------------------------------------------------------------------------------------------------------
+def _source_fingerprint(spec: str) -> list:
+    """Local files that feed ``spec`` (size + mtime), so editing a file invalidates the cache."""
+    path = spec.split(":", 1)[1] if ":" in spec and not os.path.exists(spec) else spec
+    p = Path(path)
+    if not p.exists():
+        return []
+    files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
+    return [(str(q), q.stat().st_size, q.stat().st_mtime_ns) for q in files[:10000]]
+
+
+def cache_key(**parts) -> str:
+    blob = json.dumps({"version": CACHE_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+@dataclass
+class PhaseData:
+    train: list[dict]
+    eval: list[dict]
+    eval_prompts: list[str]
+    eval_records: list[Record]
+
+
+def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
+    """Tokenized train/eval examples of ``phase``, from the cache under ``--data_output_path`` when present.
+
+    Rank 0 builds and writes the cache atomically; the other ranks wait and read it."""
+    max_seq_len = getattr(args, "max_seq_len", 0)
+    max_prompt = getattr(args, "max_prompt_seq_len", max_seq_len)
+    key = cache_key(specs=args.data_path, split=args.data_split, phase=phase, seed=args.seed,
+                    eval_fraction=args.eval_fraction, max_eval=args.max_eval_samples,
+                    tokenizer=[type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer),
+                               tokenizer.padding_side], eot=args.end_of_conversation_token,
+                    max_seq_len=max_seq_len, max_prompt=max_prompt, bad_rows=args.bad_rows,
+                    sources=[_source_fingerprint(s) for s in args.data_path])
+    path = Path(args.data_output_path) / f"{PHASES[phase]}_{key}.pt"
+    if dist.is_main() and not path.exists():
+        policy = BadRowPolicy(args.bad_rows)
+        train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.seed,
+                                              args.eval_fraction, policy)
+        if args.max_eval_samples:
+            eval_recs = eval_recs[:args.max_eval_samples]
+        kw = dict(eot=args.end_of_conversation_token, max_seq_len=max_seq_len, max_prompt_len=max_prompt,
+                  policy=policy)
+        train = tokenize_phase(train_recs, phase, tokenizer, **kw)
+        evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw)
+        log.info("phase %d data: %d train / %d eval examples; %s", phase, len(train), len(evaluation),
+                 policy.summary())
+        if not train:
+            raise ValueError(f"no training examples left for phase {phase} ({PHASES[phase]}); {policy.summary()}")
+        payload = {"train": train, "eval": evaluation, "eval_records": [r.to_dict() for r in eval_recs],
+                   "skipped": policy.summary()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache behind
+    dist.barrier()
+    payload = torch.load(path, weights_only=False)
+    if dist.is_main():
+        log.info("loaded %s (%d train / %d eval)", path, len(payload["train"]), len(payload["eval"]))
+    records = [Record(**r) for r in payload["eval_records"]]
+    return PhaseData(payload["train"], payload["eval"], [r.prompt for r in records], records)
+
+
+# --------------------------------------------------------------------------------------------------------
+# datasets and collators
+# --------------------------------------------------------------------------------------------------------
+class ListDataset(Dataset):
+    def __init__(self, items: list[dict]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if left else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+class SFTCollator:
+    """Right-padded input_ids / attention_mask and labels that ignore prompt and padding (-100)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict]) -> dict:
+        ids, mask = _pad([b["input_ids"] for b in batch], self.pad_id)
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        for i, b in enumerate(batch):
+            labels[i, :b["response_start"]] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class PairCollator:
+    """Chosen sequences stacked over rejected ones: rows [0, B) chosen, [B, 2B) rejected."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict]) -> dict:
+        ids, mask = _pad([b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch], self.pad_id)
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+class PromptCollator:
+    """Left-padded prompts, ready for generation."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict]) -> dict:
+        ids, mask = _pad([b["prompt_ids"] for b in batch], self.pad_id, left=True)
+        return {"prompt_ids": ids, "prompt_mask": mask}

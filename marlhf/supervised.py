@@ -1,0 +1,220 @@
+"""The training loop of steps 1 and 2 — written once; the steps differ only in their :class:`Objective`.
+
+Step 1 (SFT): next-token loss on response tokens, evaluated as perplexity.
+Step 2 (reward model): pairwise loss -log σ(r⁺ - r⁻) on the score at each sequence's last real token,
+evaluated as accuracy and mean chosen / rejected scores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Sampler
+from tqdm import tqdm
+
+from marlhf.data.pipeline import ListDataset, PairCollator, SFTCollator
+from marlhf.models.loading import sequence_scores
+from marlhf.utils import checkpoint, dist
+from marlhf.utils.engine import train_engine, warmup_steps
+from marlhf.utils.tracking import Tracker
+
+log = logging.getLogger("marlhf")
+
+
+# --------------------------------------------------------------------------------------------------------
+# objectives
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Objective:
+    name: str
+    collator: Callable
+    loss: Callable  # (model, batch) -> (loss, {metric: float})
+    evaluate: Callable  # (model, loader) -> {metric: float}
+
+
+def sft_loss(model, batch: dict):
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                use_cache=False)
+    return out.loss, {"loss": out.loss.item()}
+
+
+@torch.no_grad()
+def sft_evaluate(model, loader) -> dict:
+    """Perplexity over response tokens = exp(total NLL / total tokens), summed over all ranks."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in loader:
+        batch = _to_device(batch)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        labels = batch["labels"][:, 1:]
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="sum")
+        total += torch.tensor([nll.item(), (labels != -100).sum().item()], dtype=torch.float64)
+    model.train()
+    total = _all_reduce_sum(total)
+    loss = (total[0] / total[1].clamp(min=1)).item()
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def reward_loss(model, batch: dict):
+    scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])  # (2B,)
+    chosen, rejected = scores.chunk(2)
+    loss = -F.logsigmoid(chosen - rejected).mean()
+    return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item()}
+
+
+@torch.no_grad()
+def reward_evaluate(model, loader) -> dict:
+    model.eval()
+    total = torch.zeros(4, dtype=torch.float64)  # correct, chosen sum, rejected sum, count
+    for batch in loader:
+        batch = _to_device(batch)
+        chosen, rejected = sequence_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+        total += torch.tensor([(chosen > rejected).sum().item(), chosen.sum().item(), rejected.sum().item(),
+                               chosen.numel()], dtype=torch.float64)
+    model.train()
+    total = _all_reduce_sum(total)
+    n = total[3].clamp(min=1)
+    return {"accuracy": (total[0] / n).item(), "chosen_score": (total[1] / n).item(),
+            "rejected_score": (total[2] / n).item()}
+
+
+def sft_objective(pad_id: int) -> Objective:
+    return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate)
+
+
+def reward_objective(pad_id: int) -> Objective:
+    return Objective("reward", PairCollator(pad_id), reward_loss, reward_evaluate)
+
+
+# --------------------------------------------------------------------------------------------------------
+# data order that survives a restart
+# --------------------------------------------------------------------------------------------------------
+class ResumableSampler(Sampler):
+    """This rank's share of a seeded per-epoch permutation, optionally starting ``skip`` items in.
+
+    Like DistributedSampler (every rank gets ceil(n / world) items, the permutation wrapped to fill), but
+    able to continue mid-epoch so a resumed run sees exactly the batches the stopped one would have."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        per_rank = math.ceil(self.n / self.world)
+        order = (order * math.ceil(per_rank * self.world / max(self.n, 1)))[: per_rank * self.world]
+        return order[self.rank::self.world]
+
+    def __iter__(self):
+        return iter(self._indices()[self.skip:])
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.world) - self.skip
+
+
+def _to_device(batch: dict) -> dict:
+    dev = dist.device()
+    return {k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.world_size() > 1:
+        import torch.distributed as tdist
+
+        x = x.to(dist.device())
+        tdist.all_reduce(x)
+        x = x.cpu()
+    return x
+
+
+# --------------------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------------------
+def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict], objective: Objective):
+    """Train ``model`` on ``train_items`` with ``objective`` under DeepSpeed; returns the engine.
+
+    Evaluates before training and every ``--eval_interval`` steps / epoch end, checkpoints every
+    ``--save_steps`` (resumable with ``--resume``), logs to ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
+    mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    sampler = ResumableSampler(len(train_items), args.seed)
+    loader = DataLoader(ListDataset(train_items), batch_size=mb, sampler=sampler, collate_fn=objective.collator)
+    eval_loader = DataLoader(ListDataset(eval_items), batch_size=args.per_device_eval_batch_size,
+                             sampler=ResumableSampler(len(eval_items), args.seed, shuffle=False),
+                             collate_fn=objective.collator)
+    steps_per_epoch = len(loader) // ga
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_items)} training examples are too few for one optimizer step "
+                         f"(batch {mb} x accumulation {ga} x {dist.world_size()} ranks)")
+    total = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total = min(total, args.max_steps)
+    engine = train_engine(model, lr=args.learning_rate, weight_decay=args.weight_decay,
+                          lora_lr=args.lora_learning_rate, micro_batch=mb, grad_accum=ga,
+                          zero_stage=args.zero_stage, offload=args.offload, dtype=args.dtype,
+                          scheduler=args.lr_scheduler_type,
+                          warmup=warmup_steps(total, args.num_warmup_steps, args.warmup_ratio), total_steps=total,
+                          gradient_checkpointing=args.gradient_checkpointing)
+    ckpt_root = Path(args.output_dir) / "checkpoints"
+    tracker = Tracker(args.output_dir, args.tensorboard_path, args.enable_tensorboard, args.print_loss)
+    step, epoch, done_in_epoch = 0, 0, 0
+    if args.resume:
+        state = checkpoint.load_checkpoint(ckpt_root, {objective.name: engine})
+        if state is not None:
+            step, epoch, done_in_epoch = state["step"], state["epoch"], state["batches_done"]
+        else:
+            log.info("--resume: no checkpoint in %s, starting from scratch", ckpt_root)
+    if step == 0:
+        tracker.log(0, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
+    log.info("%s: %d examples, %d steps/epoch, %d steps total (starting at %d), world %d", objective.name,
+             len(train_items), steps_per_epoch, total, step, dist.world_size())
+
+    bar = tqdm(total=total, initial=step, desc=objective.name, disable=not dist.is_main() or args.disable_progress_bar)
+    engine.train()
+    while step < total:
+        sampler.set_epoch(epoch, skip=done_in_epoch * mb)
+        micro = done_in_epoch
+        for batch in loader:
+            if micro >= steps_per_epoch * ga or step >= total:
+                break
+            loss, metrics = objective.loss(engine, _to_device(batch))
+            engine.backward(loss)
+            engine.step()
+            micro += 1
+            if micro % ga:
+                continue
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            tracker.log(step, {**metrics, "lr": engine.get_lr()[0], "epoch": epoch}, prefix="train/")
+            if args.eval_interval and step % args.eval_interval == 0:
+                tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
+            if args.save_steps and step % args.save_steps == 0:
+                checkpoint.save_checkpoint(ckpt_root, {objective.name: engine}, step,
+                                           {"epoch": epoch, "batches_done": micro // ga}, args.keep_checkpoints)
+        if micro >= steps_per_epoch * ga:  # epoch finished
+            epoch, done_in_epoch = epoch + 1, 0
+            if not (args.eval_interval and step % args.eval_interval == 0):
+                tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
+        else:
+            done_in_epoch = micro // ga
+    bar.close()
+    tracker.close()
+    return engine
+
+
+def _device_iter(loader):
+    for batch in loader:
+        yield _to_device(batch)

@@ -1,0 +1,164 @@
+"""Crash-safe DeepSpeed checkpoints (resume) and Hugging Face exports (the deliverable).
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step00000040/<engine name>/...   DeepSpeed's files (model, optimizer, scheduler) per engine
+    step00000040/trainer_state.json  step, epoch, data position, anything the trainer adds
+    step00000040/rng_rank<r>.pt      every RNG of rank r
+    latest                           the tag of the newest COMPLETE checkpoint
+
+``latest`` is replaced atomically only after every rank finished writing, so a crash while saving leaves
+the previous checkpoint as the one ``--resume`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from marlhf.utils import dist
+
+log = logging.getLogger("marlhf")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, keep: int = 2) -> Path:
+    """Save every engine of the run plus trainer state and RNGs as tag ``step{step}``; all ranks call this."""
+    root = Path(root)
+    tag = f"step{step:08d}"
+    folder = root / tag
+    if dist.is_main() and folder.exists():  # a half-written attempt of the same step
+        shutil.rmtree(folder)
+    dist.barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(folder), tag=name, save_latest=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(dist.rng_state(), folder / f"rng_rank{dist.rank()}.pt")
+    dist.barrier()
+    if dist.is_main():
+        _atomic_write_text(folder / "trainer_state.json", json.dumps({"step": step, **state}, indent=1))
+        _atomic_write_text(root / "latest", tag)
+        tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step"))
+        for old in tags[:-keep] if keep > 0 else []:
+            if old != tag:
+                shutil.rmtree(root / old, ignore_errors=True)
+        log.info("saved checkpoint %s", folder)
+    dist.barrier()
+    return folder
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    folder = Path(root) / pointer.read_text().strip()
+    if not (folder / "trainer_state.json").exists():
+        raise RuntimeError(f"{pointer} names {folder}, which is incomplete; delete the pointer to start over")
+    return folder
+
+
+def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
+    """Restore engines (weights, optimizer, scheduler) and RNGs from the latest checkpoint; its state or None."""
+    folder = latest_checkpoint(root)
+    if folder is None:
+        return None
+    for name, engine in engines.items():
+        path, _ = engine.load_checkpoint(str(folder), tag=name, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"could not load engine '{name}' from {folder}")
+    rng = folder / f"rng_rank{dist.rank()}.pt"
+    if rng.exists():
+        dist.set_rng_state(torch.load(rng, weights_only=False))
+    state = json.loads((folder / "trainer_state.json").read_text())
+    log.info("resumed from %s (step %d)", folder, state["step"])
+    return state
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hugging Face export
+# --------------------------------------------------------------------------------------------------------
+def gather_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
+    """Full CPU state dict on rank 0 (ZeRO-3 partitions gathered one parameter at a time); {} elsewhere."""
+    import deepspeed
+
+    out = {}
+    for name, param in model.named_parameters():
+        if zero_stage == 3 and hasattr(param, "ds_id"):
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if dist.is_main():
+                    out[name] = param.detach().cpu().clone()
+        elif dist.is_main():
+            out[name] = param.detach().cpu().clone()
+    if dist.is_main():
+        for name, buf in model.named_buffers():
+            out.setdefault(name, buf.detach().cpu().clone())
+    return out
+
+
+def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, zero_stage: int = 0,
+              dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` (a DeepSpeed engine, peft model or plain transformers model) as a Hugging Face folder.
+
+    Rank 0 rebuilds the architecture on the meta device, assigns the gathered weights, merges LoRA (and
+    keeps the adapter in peft's format under ``lora_adapter/``), and writes config + safetensors +
+    tokenizer into a temporary folder whose complete files are then moved into ``out_dir`` (config last).
+    All ranks must call this (ZeRO-3 gathering is collective)."""
+    module = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    state = gather_state_dict(module, zero_stage)
+    if dist.is_main():
+        out_dir = Path(out_dir)
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        clean = _rebuild(module, state, tmp)
+        if dtype is not None:
+            clean = clean.to(dtype)
+        clean.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # move file by file: out_dir also holds logs and checkpoints, which must survive
+        for entry in sorted(tmp.iterdir(), key=lambda e: e.name == "config.json"):  # config last
+            target = out_dir / entry.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info("exported Hugging Face model to %s", out_dir)
+    dist.barrier()
+
+
+def _rebuild(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> nn.Module:
+    """A fresh CPU copy of ``module``'s architecture holding ``state`` (LoRA merged)."""
+    is_peft = hasattr(module, "peft_config")
+    base = module.get_base_model() if is_peft else module
+    with torch.device("meta"):
+        fresh = type(base)(base.config)
+    if is_peft:
+        from peft import get_peft_model
+
+        fresh = get_peft_model(fresh, module.peft_config["default"])
+    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise RuntimeError(f"unexpected weights while exporting: {unexpected[:5]}")
+    fresh.tie_weights() if not is_peft else fresh.get_base_model().tie_weights()
+    still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"weights missing while exporting: {still_meta[:5]} (missing keys {missing[:5]})")
+    if is_peft:
+        fresh.save_pretrained(folder / "lora_adapter")
+        fresh = fresh.merge_and_unload()
+    if getattr(fresh, "generation_config", None) is not None and getattr(base, "generation_config", None):
+        fresh.generation_config = base.generation_config
+    return fresh

@@ -1,0 +1,84 @@
+"""Wrap models in DeepSpeed engines: optimizer groups, schedules, trainable and frozen engines."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from marlhf.utils import dist
+from marlhf.utils.ds_config import eval_config, train_config
+
+log = logging.getLogger("marlhf")
+
+_NO_DECAY = ("bias", "norm", "ln_", "layernorm", "embed_tokens")
+
+
+def param_groups(model: nn.Module, weight_decay: float, lr: float, lora_lr: float) -> list[dict]:
+    """AdamW groups: decay / no decay (biases, norms), and LoRA weights at their own learning rate."""
+    groups: dict[tuple[float, float], list] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        wd = 0.0 if any(k in name.lower() for k in _NO_DECAY) else weight_decay
+        group_lr = lora_lr if "lora_" in name else lr
+        groups.setdefault((wd, group_lr), []).append(p)
+    return [{"params": ps, "weight_decay": wd, "lr": glr} for (wd, glr), ps in groups.items()]
+
+
+def make_optimizer(groups: list[dict], lr: float, offload: bool):
+    """DeepSpeedCPUAdam when optimizer state lives on the CPU (offload, or a CPU-only machine with offload);
+    FusedAdam on accelerators; torch AdamW otherwise (the CPU ranks of this project's tests)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=(0.9, 0.95), adamw_mode=True)
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def warmup_steps(total: int, num_warmup_steps: int, warmup_ratio: float) -> int:
+    return num_warmup_steps if num_warmup_steps > 0 else int(math.ceil(total * warmup_ratio))
+
+
+def make_scheduler(optimizer, kind: str, warmup: int, total: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(kind, optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=max(total, 1))
+
+
+def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: float, micro_batch: int,
+                 grad_accum: int, zero_stage: int, offload: bool, dtype: str, scheduler: str, warmup: int,
+                 total_steps: int, gradient_checkpointing: bool = False, tensorboard_dir: str | None = None):
+    """A DeepSpeed training engine around ``model`` (DeepSpeed-Chat's actor/critic/SFT setup)."""
+    import deepspeed
+
+    if gradient_checkpointing:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = train_config(micro_batch=micro_batch, grad_accum=grad_accum, world_size=dist.world_size(),
+                          zero_stage=zero_stage, offload=offload, dtype=dtype, tensorboard_dir=tensorboard_dir)
+    optimizer = make_optimizer(param_groups(model, weight_decay, lr, lora_lr), lr, offload)
+    sched = make_scheduler(optimizer, scheduler, warmup, total_steps)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched, config=config)
+    return engine
+
+
+def frozen_engine(model: nn.Module, *, zero_stage: int, offload: bool, dtype: str):
+    """An inference-only engine (reference / reward model): ZeRO-3 partitions it, otherwise whole."""
+    import deepspeed
+
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    config = eval_config(zero_stage=zero_stage, offload=offload, dtype=dtype, world_size=dist.world_size())
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine

@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""Step 2: reward model = base LM + scalar head, trained with the pairwise loss -log σ(r⁺ - r⁻).
+
+    deepspeed training/step2_reward_model_finetuning/main.py --model_name_or_path out/sft --output_dir out/rm
+
+The result loads in plain transformers as AutoModelForSequenceClassification (score at the last real
+token) and, in step 3, as both the critic and the reward model.
+"""
+
+from marlhf.config import RewardArgs, parse_args
+from marlhf.data.pipeline import build_phase_data
+from marlhf.models.loading import apply_lora, load_tokenizer, load_value_model
+from marlhf.supervised import reward_objective, train
+from marlhf.utils.checkpoint import export_hf
+from marlhf.utils.run import setup_run
+
+
+def main(argv=None):
+    args, _ = parse_args(RewardArgs, argv)
+    setup_run(args)
+    # 1. tokenizer and the reward-model share of the data: (chosen, rejected) pairs
+    tokenizer = load_tokenizer(args.model_name_or_path, args.end_of_conversation_token)
+    data = build_phase_data(args, tokenizer, phase=2)
+    # 2. base model + fresh scalar head (or a step-2 model to continue)
+    model = load_value_model(args.model_name_or_path, tokenizer, args.dropout)
+    if args.lora_dim > 0:
+        model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
+    # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)
+    engine = train(args, model, tokenizer, data.train, data.eval, reward_objective(tokenizer.pad_token_id))
+    # 4. export as a Hugging Face sequence-classification model
+    export_hf(engine, tokenizer, args.output_dir, args.zero_stage)
+
+
+if __name__ == "__main__":
+    main()
