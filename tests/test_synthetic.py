@@ -1,0 +1,244 @@
+"""The embedded TL;DR task: determinism, the gold scorer's hand-derived values, label noise, lengths."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+
+import pytest
+
+from marlhf.data import synthetic
+from marlhf.data.records import DataError, Record
+from marlhf.data.synthetic import (
+    COVERAGE_WEIGHT,
+    EXTRAS,
+    FILLERS,
+    INVENTED_PENALTY,
+    LENGTH_BUDGET_WORDS,
+    ORDER_WEIGHT,
+    OVER_BUDGET_PENALTY,
+    REPEATED_FACT_PENALTY,
+    REPEATED_NGRAM_PENALTY,
+    SUBREDDITS,
+    UNFINISHED_PENALTY,
+    VOCAB_SLOTS,
+    SyntheticConfig,
+    generate,
+    gold_score,
+    gold_scores,
+    oracle_summary,
+    parse_post,
+    read_jsonl,
+    score_details,
+    write_jsonl,
+)
+
+# A hand-written post (not from the generator): 7 key facts in this order — narrator tag, place, who,
+# pet, problem, tried, question — plus distractors (pet name, duration).
+PROMPT = (
+    "SUBREDDIT: r/pets\nPOST: I (24F) live in an apartment with my roommate (26M). He adopted a cat named "
+    "Mochi two months ago. The problem is that the cat scratches the couch. We tried a spray bottle, but "
+    "nothing changed. Should I move out?\nTL;DR:"
+)
+S1 = "I (24F) live in an apartment with my roommate (26M)."
+S2 = "He got a cat that scratches the couch."
+S3 = "We tried a spray bottle, but it did not help."
+S4 = "Should I move out?"
+GOOD = " " + " ".join([S1, S2, S3, S4])
+SEVENTH = 1 / 7  # coverage + order share of one fact when everything else is right
+
+
+def test_parse_post_recovers_the_facts_from_text():
+    post = parse_post(PROMPT)
+    assert post.key == (
+        ("narrator", "24F"),
+        ("place", "apartment"),
+        ("who", "roommate (26M)"),
+        ("pet", "cat"),
+        ("problem", "scratches the couch"),
+        ("tried", "spray bottle"),
+        ("question", "move out"),
+    )
+    assert ("name", "mochi") in post.items and ("duration", "two months") in post.items
+    assert post.tags == {"24F", "26M"}
+
+
+def test_good_summary_scores_one():
+    details = score_details(PROMPT, GOOD)
+    assert details["coverage"] == pytest.approx(COVERAGE_WEIGHT)
+    assert details["order"] == pytest.approx(ORDER_WEIGHT)
+    assert all(
+        details[k] == 0 for k in ("invented", "repeated_facts", "repeated_ngrams", "length", "unfinished")
+    )
+    assert gold_score(PROMPT, GOOD) == pytest.approx(1.0)
+
+
+def test_hand_derived_scores_of_flawed_summaries():
+    cases = {
+        # one key fact dropped: lose its coverage share and its share of the order credit: 1 - 1/7
+        "dropped": (" " + " ".join([S1, S2, S4]), 1 - SEVENTH),
+        # an invented detail (a pet name the post does not contain): 1 - 0.15
+        "invented": (GOOD + " He named it Biscuit.", 1 - INVENTED_PENALTY),
+        # a wrong fact = the right one dropped + an invented one
+        "replaced": (GOOD.replace("spray bottle", "baby gate"), 1 - SEVENTH - INVENTED_PENALTY),
+        # S2 said twice: pet and problem mentioned twice (2 x 0.1); the 8-word copy repeats 5 word 4-grams
+        "repeated": (
+            " " + " ".join([S1, S2, S2, S3, S4]),
+            1 - 2 * REPEATED_FACT_PENALTY - 5 * REPEATED_NGRAM_PENALTY,
+        ),
+        # truncated before the question's verb: question lost (1/7) and the last sentence unfinished
+        "truncated": (GOOD[: GOOD.index(" move out?")], 1 - SEVENTH - UNFINISHED_PENALTY),
+        # S3 before S2: (tried, pet) and (tried, problem) discordant, 19 of 21 pairs in order
+        "swapped_order": (" " + " ".join([S1, S3, S2, S4]), COVERAGE_WEIGHT + ORDER_WEIGHT * 19 / 21),
+        # the two age tags exchanged: narrator fact lost, relation with a wrong tag earns half (5.5 / 7),
+        # order credit over the 6 facts still mentioned
+        "swapped_tags": (
+            GOOD.replace("(24F)", "(X)").replace("(26M)", "(24F)").replace("(X)", "(26M)"),
+            COVERAGE_WEIGHT * 5.5 / 7 + ORDER_WEIGHT * 6 / 7,
+        ),
+        # a wrong question in the very last sentence: a late mistake costs as much as an early one
+        "late_mistake": (GOOD.replace("move out", "give an ultimatum"), 1 - SEVENTH - INVENTED_PENALTY),
+    }
+    for name, (response, expected) in cases.items():
+        assert gold_score(PROMPT, response) == pytest.approx(expected), name
+        assert gold_score(PROMPT, response) < gold_score(PROMPT, GOOD), name
+
+
+def test_over_long_summary_pays_per_word_over_budget():
+    long = GOOD + " " + " ".join(EXTRAS[:4])
+    n_words = len(long.split())
+    assert n_words > LENGTH_BUDGET_WORDS
+    assert gold_score(PROMPT, long) == pytest.approx(
+        1 - OVER_BUDGET_PENALTY * (n_words - LENGTH_BUDGET_WORDS)
+    )
+
+
+def test_score_depends_on_the_whole_response():
+    """Every strict word prefix of the good summary scores below it: only the whole response earns 1.0."""
+    words = GOOD.split(" ")
+    full = gold_score(PROMPT, GOOD)
+    for k in range(1, len(words)):
+        assert gold_score(PROMPT, " ".join(words[:k])) < full, k
+
+
+def test_text_after_end_of_conversation_is_ignored_and_case_is_not_a_fact():
+    assert gold_score(PROMPT, GOOD + "<|endoftext|> Should I move out? He got a dog.") == pytest.approx(1.0)
+    assert gold_score(PROMPT, GOOD.upper()) == pytest.approx(1.0)
+
+
+def test_gold_scores_and_bad_inputs():
+    assert gold_scores([PROMPT, PROMPT], [GOOD, " Should I move out?"]) == [
+        pytest.approx(1.0),
+        pytest.approx(COVERAGE_WEIGHT / 7 + ORDER_WEIGHT / 7),
+    ]
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        gold_scores([PROMPT, PROMPT], [GOOD])
+    with pytest.raises(ValueError, match="no facts of the embedded task"):
+        gold_score("Write a poem about the sea.", " The sea is blue.")
+
+
+def test_vocabulary_items_never_match_inside_each_other_or_template_text():
+    """The scorer's premise: a whole-word match of an item is unambiguous evidence of that one fact."""
+    keys = {synthetic._key(x).lower(): slot for slot, items in VOCAB_SLOTS.items() for x in items}
+    assert len(keys) == sum(len(v) for v in VOCAB_SLOTS.values())  # no item in two slots
+    for key in keys:
+        others = [k for k in keys if k != key and re.search(rf"\b{re.escape(k)}\b", key)]
+        assert not others, (key, others)
+    for text in FILLERS + EXTRAS + SUBREDDITS:
+        assert synthetic._scan(text.lower()) == [], text
+
+
+def test_same_seed_same_records_other_seed_different():
+    a = generate(SyntheticConfig(seed=5, num_records=60))
+    assert a == generate(SyntheticConfig(seed=5, num_records=60))
+    assert a[:25] == generate(SyntheticConfig(seed=5, num_records=25))  # record i depends on (seed, i) only
+    b = generate(SyntheticConfig(seed=6, num_records=60))
+    assert sum(x.prompt != y.prompt for x, y in zip(a, b)) >= 55
+    assert all(r.source == f"synthetic:{i}" for i, r in enumerate(a))
+    assert len({r.prompt for r in a}) == 60
+
+
+def test_records_are_readable_posts_with_space_led_summaries():
+    for r in generate(SyntheticConfig(seed=3, num_records=200)):
+        assert (
+            r.prompt.startswith("SUBREDDIT: r/") and "\nPOST: " in r.prompt and r.prompt.endswith("\nTL;DR:")
+        )
+        assert r.chosen.startswith(" ") and r.rejected.startswith(" ") and r.chosen != r.rejected
+        slots = [slot for slot, _ in parse_post(r.prompt).key]
+        assert sorted(slots) == sorted(synthetic.KEY_SLOTS)  # every post states all seven key facts
+        assert slots[3:] == ["pet", "problem", "tried", "question"]  # after the intro's varied order
+        assert gold_score(r.prompt, oracle_summary(r.prompt)) == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def noisy_and_clean():
+    noisy = generate(SyntheticConfig(seed=11, num_records=4000, label_noise=0.1))
+    clean = generate(SyntheticConfig(seed=11, num_records=4000, label_noise=0.0))
+    return noisy, clean
+
+
+def _flipped(records: list[Record]) -> list[bool]:
+    return [gold_score(r.prompt, r.chosen) < gold_score(r.prompt, r.rejected) for r in records]
+
+
+def test_measured_flip_rate_matches_label_noise(noisy_and_clean):
+    noisy, clean = noisy_and_clean
+    flips = _flipped(noisy)
+    # Binomial(4000, 0.1): standard deviation 0.0047; 0.02 is more than 4 sigma.
+    assert abs(sum(flips) / len(flips) - 0.1) < 0.02
+    assert sum(_flipped(clean)) == 0
+    # Noise only swaps labels: same prompts and candidate pairs, swapped exactly where flipped.
+    for r_noisy, r_clean, flip in zip(noisy, clean, flips):
+        assert r_noisy.prompt == r_clean.prompt
+        assert {r_noisy.chosen, r_noisy.rejected} == {r_clean.chosen, r_clean.rejected}
+        assert (r_noisy.chosen != r_clean.chosen) == flip
+
+
+def test_sft_chosen_is_good_but_leaves_room(noisy_and_clean):
+    _, clean = noisy_and_clean
+    chosen = [gold_score(r.prompt, r.chosen) for r in clean]
+    rejected = [gold_score(r.prompt, r.rejected) for r in clean]
+    assert 0.7 < statistics.fmean(chosen) < 0.9  # the oracle scores 1.0
+    assert statistics.fmean(rejected) < statistics.fmean(chosen) - 0.15
+    assert sum(c > 0.999 for c in chosen) / len(chosen) < 0.25  # most chosen summaries have a flaw
+
+
+def test_response_token_lengths_with_the_project_tokenizer(tmp_path, noisy_and_clean):
+    from marlhf.models.tokenizer import train_tokenizer
+
+    records = noisy_and_clean[0][:1000]
+    tok = train_tokenizer([t for r in records for t in (r.prompt, r.chosen, r.rejected)], tmp_path, 2000)
+    assert len(tok) == 2000
+    lengths = [
+        len(x)
+        for x in tok([r.chosen for r in records] + [r.rejected for r in records], add_special_tokens=False)[
+            "input_ids"
+        ]
+    ]
+    assert sum(30 <= n <= 100 for n in lengths) / len(lengths) > 0.85
+    assert 40 <= statistics.median(lengths) <= 70
+    assert max(lengths) < 160
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="label_noise"):
+        SyntheticConfig(label_noise=0.7)
+    with pytest.raises(ValueError, match="num_records"):
+        SyntheticConfig(num_records=0)
+    with pytest.raises(ValueError, match="flaw_weights"):
+        SyntheticConfig(flaw_weights=(-1.0, 1.0))
+    assert dataclasses.asdict(SyntheticConfig())["seed"] == 1234
+
+
+def test_jsonl_round_trip_and_errors(tmp_path):
+    records = generate(SyntheticConfig(seed=2, num_records=5)) + [Record("p", " c", None, "x:1")]
+    path = tmp_path / "r.jsonl"
+    write_jsonl(records, path)
+    assert read_jsonl(path) == records
+    path.write_text('{"prompt": "p", "chosen": " c"}\n{"prompt": "p", "chosen": ""}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"r.jsonl: row 2: field 'chosen': empty text"):
+        read_jsonl(path)
+    path.write_text("[1, 2]\n", encoding="utf-8")
+    with pytest.raises(DataError, match="row 1"):
+        read_jsonl(path)
