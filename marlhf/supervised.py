@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
-from marlhf.data.pipeline import ListDataset, PairCollator, SFTCollator
+from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader
 from marlhf.models.loading import sequence_scores
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.engine import train_engine, warmup_steps
@@ -92,39 +91,6 @@ def reward_objective(pad_id: int) -> Objective:
     return Objective("reward", PairCollator(pad_id), reward_loss, reward_evaluate)
 
 
-# --------------------------------------------------------------------------------------------------------
-# data order that survives a restart
-# --------------------------------------------------------------------------------------------------------
-class ResumableSampler(Sampler):
-    """This rank's share of a seeded per-epoch permutation, optionally starting ``skip`` items in.
-
-    Like DistributedSampler (every rank gets ceil(n / world) items, the permutation wrapped to fill), but
-    able to continue mid-epoch so a resumed run sees exactly the batches the stopped one would have."""
-
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self.rank, self.world = dist.rank(), dist.world_size()
-        self.epoch, self.skip = 0, 0
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.epoch, self.skip = epoch, skip
-
-    def _indices(self) -> list[int]:
-        if self.shuffle:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        else:
-            order = list(range(self.n))
-        per_rank = math.ceil(self.n / self.world)
-        order = (order * math.ceil(per_rank * self.world / max(self.n, 1)))[: per_rank * self.world]
-        return order[self.rank::self.world]
-
-    def __iter__(self):
-        return iter(self._indices()[self.skip:])
-
-    def __len__(self) -> int:
-        return math.ceil(self.n / self.world) - self.skip
-
-
 def _to_device(batch: dict) -> dict:
     dev = dist.device()
     return {k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -150,10 +116,9 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
     ``--save_steps`` (resumable with ``--resume``), logs to ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
     mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     sampler = ResumableSampler(len(train_items), args.seed)
-    loader = DataLoader(ListDataset(train_items), batch_size=mb, sampler=sampler, collate_fn=objective.collator)
-    eval_loader = DataLoader(ListDataset(eval_items), batch_size=args.per_device_eval_batch_size,
-                             sampler=ResumableSampler(len(eval_items), args.seed, shuffle=False),
-                             collate_fn=objective.collator)
+    loader = make_loader(train_items, mb, sampler, objective.collator)
+    eval_loader = make_loader(eval_items, args.per_device_eval_batch_size,
+                              ResumableSampler(len(eval_items), args.seed, shuffle=False), objective.collator)
     steps_per_epoch = len(loader) // ga
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_items)} training examples are too few for one optimizer step "

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from marlhf.data.records import BadRowPolicy, DataError, Record
 from marlhf.utils import dist
@@ -254,3 +255,43 @@ class PromptCollator:
     def __call__(self, batch: list[dict]) -> dict:
         ids, mask = _pad([b["prompt_ids"] for b in batch], self.pad_id, left=True)
         return {"prompt_ids": ids, "prompt_mask": mask}
+
+
+# --------------------------------------------------------------------------------------------------------
+# data order that survives a restart
+# --------------------------------------------------------------------------------------------------------
+class ResumableSampler(Sampler):
+    """This rank's share of a seeded per-epoch permutation, optionally starting ``skip`` items in.
+
+    Like DistributedSampler (every rank gets ceil(n / world) items, the permutation wrapped to fill), but
+    able to continue mid-epoch so a resumed run sees exactly the batches the stopped one would have."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        per_rank = math.ceil(self.n / self.world)
+        order = (order * math.ceil(per_rank * self.world / max(self.n, 1)))[: per_rank * self.world]
+        return order[self.rank::self.world]
+
+    def __iter__(self):
+        return iter(self._indices()[self.skip:])
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.world) - self.skip
+
+
+def make_loader(items: list[dict], batch_size: int, sampler: Sampler, collate_fn) -> DataLoader:
+    """A DataLoader that draws nothing from the global RNG (its own generator), so restoring the RNG state
+    on resume reproduces the uninterrupted run's dropout and sampling exactly."""
+    return DataLoader(ListDataset(items), batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                      generator=torch.Generator())

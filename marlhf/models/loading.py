@@ -102,11 +102,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding — what ``generate`` uses, so training forwards must use them too."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scalar head on every position: (B, T) values (the critic) / per-token rewards."""
     inner = _unwrap(model)
     base = getattr(inner, inner.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
     return inner.score(hidden).squeeze(-1).float()  # (B, T)
 
 
@@ -148,9 +154,8 @@ def lora_targets(model: nn.Module, module_names: str) -> list[str]:
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or name.endswith(("lm_head", "score")):
             continue
-        if wanted and any(w in name for w in wanted):
-            names.append(name)
-        elif not wanted and re.search(r"\.layers?\.\d+\.|\.h\.\d+\.|\.blocks?\.\d+\.", f".{name}"):
+        in_block = re.search(r"\.layers?\.\d+\.|\.h\.\d+\.|\.blocks?\.\d+\.", f".{name}")
+        if (any(w in name for w in wanted) if wanted else in_block):
             names.append(name)
     if not names:
         raise ValueError(f"--lora_module_name {module_names!r} matches no Linear layer of {type(model).__name__}")

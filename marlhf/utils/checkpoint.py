@@ -102,8 +102,10 @@ def gather_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tens
         elif dist.is_main():
             out[name] = param.detach().cpu().clone()
     if dist.is_main():
+        persistent = set(model.state_dict().keys())  # non-persistent buffers (e.g. RoPE tables) are rebuilt
         for name, buf in model.named_buffers():
-            out.setdefault(name, buf.detach().cpu().clone())
+            if name in persistent:
+                out.setdefault(name, buf.detach().cpu().clone())
     return out
 
 

@@ -1,0 +1,132 @@
+"""The four models of step 3 (DeepSpeed-Chat's ``DeepSpeedRLHFEngine``), each its own DeepSpeed engine.
+
+actor     = the SFT model, trained (own ZeRO stage, optional LoRA / gradient checkpointing / offload)
+reference = a frozen copy of the SFT model (ZeRO-3 partitioned when the actor is; optionally offloaded)
+critic    = the step-2 reward model, trained as the value function (own ZeRO stage)
+reward    = the step-2 reward model, frozen
+ema       = optional exponential moving average of the actor (a frozen engine updated after each step)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from marlhf.models.loading import apply_lora, load_causal_lm, load_value_model, resolve_model_path
+from marlhf.utils import dist
+from marlhf.utils.engine import frozen_engine, train_engine, warmup_steps
+
+log = logging.getLogger("marlhf")
+
+
+@dataclass
+class RLHFEngine:
+    actor: object
+    ref: object
+    critic: object
+    reward: object
+    ema: object | None = None
+
+    def trainable(self) -> dict:
+        """The engines whose state a checkpoint must hold."""
+        out = {"actor": self.actor, "critic": self.critic}
+        if self.ema is not None:
+            out["ema"] = self.ema
+        return out
+
+
+def check_hybrid_engine(enabled: bool) -> None:
+    """DeepSpeed's hybrid engine swaps in GPU inference kernels for generation; say so on other devices."""
+    if not enabled:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if name == "cpu":
+        raise RuntimeError("--enable_hybrid_engine needs DeepSpeed's GPU inference kernels (CUDA/ROCm); on the "
+                           "'cpu' accelerator DeepSpeed fails with 'This op had not been implemented on CPU "
+                           "backend'. Drop the flag: generation then runs through the training engine.")
+
+
+def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
+    check_hybrid_engine(args.enable_hybrid_engine)
+    if args.enable_ema and (args.actor_lora_dim or args.lora_dim):
+        raise ValueError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
+                         "drop --enable_ema or LoRA")
+    actor_path = resolve_model_path(args.actor_model_name_or_path)
+    critic_path = resolve_model_path(args.critic_model_name_or_path)
+    reward_path = args.reward_model_name_or_path or critic_path
+    warmup = warmup_steps(total_steps, args.num_warmup_steps, args.warmup_ratio)
+    mb = args.per_device_training_batch_size
+
+    # actor: the SFT policy, trained
+    actor = load_causal_lm(actor_path, tokenizer, args.actor_dropout)
+    lora_dim = args.actor_lora_dim or args.lora_dim
+    if lora_dim > 0:
+        actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
+                           args.only_optimize_lora)
+    actor = train_engine(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
+                         lora_lr=args.lora_learning_rate, micro_batch=mb, grad_accum=args.gradient_accumulation_steps,
+                         zero_stage=args.actor_zero_stage, offload=args.offload, dtype=args.dtype,
+                         scheduler=args.lr_scheduler_type, warmup=warmup, total_steps=total_steps,
+                         gradient_checkpointing=args.actor_gradient_checkpointing)
+    # reference: frozen SFT policy for the KL penalty
+    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0), zero_stage=args.actor_zero_stage,
+                        offload=args.offload_reference_model, dtype=args.dtype)
+    ema = None
+    if args.enable_ema:
+        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0), zero_stage=args.actor_zero_stage,
+                            offload=args.offload_reference_model, dtype=args.dtype)
+    # critic: the reward model as initial value function, trained
+    critic = load_value_model(critic_path, tokenizer, args.critic_dropout)
+    if args.critic_lora_dim > 0:
+        critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
+                            task="SEQ_CLS")
+    critic = train_engine(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
+                          lora_lr=args.lora_learning_rate, micro_batch=mb,
+                          grad_accum=args.gradient_accumulation_steps, zero_stage=args.critic_zero_stage,
+                          offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
+                          warmup=warmup, total_steps=total_steps,
+                          gradient_checkpointing=args.critic_gradient_checkpointing)
+    # reward: frozen scorer
+    reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
+                           offload=args.offload_reference_model, dtype=args.dtype)
+    log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
+             args.actor_zero_stage, critic_path, args.critic_zero_stage, reward_path, args.enable_ema)
+    return RLHFEngine(actor, ref, critic, reward, ema)
+
+
+def _gathered(module, zero_stage: int):
+    """Context that materialises every ZeRO-3 partitioned parameter of ``module`` (no-op otherwise)."""
+    import contextlib
+
+    import deepspeed
+
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+@torch.no_grad()
+def update_ema(actor, ema, decay: float, zero_stage: int) -> None:
+    """ema ← decay · ema + (1 − decay) · actor, parameter by parameter (gathered under ZeRO-3)."""
+    import deepspeed
+
+    a_params = dict(_base_named_parameters(actor.module))
+    for name, p_ema in _base_named_parameters(ema.module):
+        p = a_params[name]
+        params = [q for q in (p, p_ema) if hasattr(q, "ds_id")] if zero_stage == 3 else []
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
+            if not params or dist.is_main():
+                p_ema.data.copy_(torch.lerp(p.data.to(p_ema.dtype), p_ema.data, decay))
+
+
+def _base_named_parameters(module):
+    """Parameter names without peft's wrapping, LoRA merged away is not needed: EMA tracks base weights."""
+    for name, p in module.named_parameters():
+        if "lora_" in name:
+            continue
+        yield name.replace("base_model.model.", "").replace(".base_layer", ""), p

@@ -1,0 +1,375 @@
+"""MA-PPO: experience collection, macro-action segmentation and the PPO update (paper Algorithm 1).
+
+One step of :meth:`MAPPOTrainer.train`:
+  1. generate answers for ``--generation_batches`` prompt batches            (:func:`generate`)
+  2. one forward each of actor, reference, critic, reward on the sequences   (:func:`make_experience`)
+  3. termination rule → segment ids → macro values / rewards → GAE           (:func:`compute_macro_advantages`)
+  4. ``--ppo_epochs`` passes of clipped policy + value loss (+ ptx)          (:meth:`MAPPOTrainer.ppo_update`)
+  5. log, EMA, checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader
+from marlhf.models.loading import position_ids_from_mask, stop_token_ids, token_values
+from marlhf.rlhf import macro
+from marlhf.rlhf.engine import RLHFEngine, _gathered, update_ema
+from marlhf.rlhf.ppo_math import compute_advantages, policy_loss, token_rewards, value_loss
+from marlhf.utils import checkpoint, dist
+from marlhf.utils.tracking import Tracker
+
+log = logging.getLogger("marlhf")
+
+
+@dataclass
+class Experience:
+    """One generation batch, everything the PPO update needs.  P = prompt width, A = answer width."""
+
+    seq: torch.Tensor  # (B, P+A) prompt (left-padded) + answer (right-padded)
+    attention_mask: torch.Tensor  # (B, P+A)
+    prompt_width: int  # P
+    mask: torch.Tensor  # (B, A) bool, real answer tokens used in the loss (EOS included)
+    logprobs: torch.Tensor  # (B, A) actor log π_old(a_t | s_t)
+    ref_logprobs: torch.Tensor  # (B, A) reference log π_ref
+    values: torch.Tensor  # (B, A) critic V(s_t)
+    scores: torch.Tensor  # (B,) sequence score (reward model or gold)
+    rewards: torch.Tensor  # (B, A) per-token rewards (KL penalty + score on the last token)
+    seg: torch.Tensor  # (B, A) macro-action segment ids, -1 on padding
+    advantages: torch.Tensor  # (B, A) macro advantages broadcast to tokens
+    returns: torch.Tensor  # (B, A) macro returns (Q) broadcast to tokens
+
+    def split(self, size: int) -> list[Experience]:
+        """Micro-batches of ``size`` samples (the tensors' batch dimension is sliced)."""
+        B = self.seq.shape[0]
+        out = []
+        for i in range(0, B, size):
+            kw = {f.name: getattr(self, f.name) for f in fields(self)}
+            out.append(Experience(**{k: v[i:i + size] if torch.is_tensor(v) else v for k, v in kw.items()}))
+        return out
+
+
+def answer_mask(answer: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real tokens of each generated answer (up to and including the first stop token) and whether it
+    stopped.  (B, A) bool, (B,) bool."""
+    is_stop = torch.isin(answer, torch.tensor(stop_ids, device=answer.device))  # (B, A)
+    ended = is_stop.any(dim=1)  # (B,)
+    first = torch.where(ended, is_stop.float().argmax(dim=1), torch.full_like(ended, answer.shape[1], dtype=torch.long))
+    k = torch.arange(answer.shape[1], device=answer.device)
+    return k[None, :] <= first[:, None], ended
+
+
+def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
+    """log π(a_t | s_t) of the answer tokens from full-sequence logits (B, P+A, V) → (B, A)."""
+    logits = logits[:, P - 1:-1].float()  # position t predicts token t+1
+    tokens = seq[:, P:]
+    return logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _forward_logits(model, seq, attention_mask):
+    return model(input_ids=seq, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                 use_cache=False).logits
+
+
+@torch.no_grad()
+def generate(actor, prompt_ids, prompt_mask, args, stop_ids, pad_id) -> torch.Tensor:
+    """Sample answers (temperature / top-k / top-p); ZeRO-3 parameters are gathered once for the call."""
+    actor.eval()
+    module = actor.module
+    with _gathered(module, args.actor_zero_stage):
+        seq = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
+                              temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                              max_new_tokens=args.max_answer_seq_len, eos_token_id=stop_ids,
+                              pad_token_id=pad_id, use_cache=True)
+    actor.train()
+    return seq
+
+
+class MacroSegmenter:
+    """``--termination_condition`` as one call: answers → segment ids (B, A) (+ parse fallbacks counted)."""
+
+    def __init__(self, args, tokenizer):
+        self.args, self.tokenizer = args, tokenizer
+        self.rule = args.termination_condition
+        self.n = args.ngram_n
+        self.parser = None
+        self.word_table = None
+        if self.rule == "parsing":
+            from marlhf.rlhf.parsing import ParseSegmenter
+
+            self.parser = ParseSegmenter(kind=args.response_kind, backend=args.parser_backend,
+                                         cutoff=args.parser_cutoff, fallback_n=self.n or 5)
+        if self.rule == "word":
+            from marlhf.models.tokenizer import word_start_table
+
+            self.word_table = word_start_table(tokenizer)
+
+    def __call__(self, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor, step: int):
+        """Segment ids (B, A) and the number of samples whose parse fell back to fixed n-grams."""
+        split_last = self.args.macro_reward == "compat"
+        if self.rule != "parsing":
+            gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step * 101 + dist.rank())
+            seg = macro.segments_for_rule(self.rule, mask, ngram=self.n, repeat_times=self.args.repeat_times,
+                                          generator=gen, ref_logprobs=ref_logprobs, input_ids=answer,
+                                          word_start_table=self.word_table, split_last=split_last)
+            return seg, 0
+        texts, offsets = self._texts_and_offsets(answer, mask)
+        starts, fell_back = self.parser.starts(texts, offsets, answer.shape[1])
+        starts = starts.to(mask.device)
+        if split_last:
+            starts = macro.split_last_token(starts, mask)
+        return macro.segments_from_starts(starts, mask), int(fell_back.sum())
+
+    def _texts_and_offsets(self, answer, mask):
+        """Decoded answers and each policy token's character span in them.
+
+        The text is re-tokenized with offsets; where that does not reproduce the generated ids (a
+        non-canonical tokenization) the offsets are left inconsistent on purpose, so the parser falls back
+        for that sample and counts it instead of guessing an alignment."""
+        texts, offsets = [], []
+        special = set(self.tokenizer.all_special_ids)
+        for ids in [a[m].tolist() for a, m in zip(answer.cpu(), mask.cpu())]:
+            body = [i for i in ids if i not in special]
+            text = self.tokenizer.decode(body, skip_special_tokens=True)
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            spans = [tuple(o) for o in enc["offset_mapping"]]
+            if enc["input_ids"] != body:
+                spans = [(0, 0)] * len(body)  # cannot align: the parser will fall back
+            spans += [(len(text), len(text))] * (len(ids) - len(body))  # EOS: empty span at the end
+            texts.append(text)
+            offsets.append(spans)
+        return texts, offsets
+
+
+class MAPPOTrainer:
+    def __init__(self, args, rlhf: RLHFEngine, tokenizer, scorer=None):
+        self.args, self.rlhf, self.tokenizer = args, rlhf, tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
+        self.pad_id = tokenizer.pad_token_id
+        self.segmenter = MacroSegmenter(args, tokenizer)
+        self.scorer = scorer  # optional (prompts, answers) -> scores, replaces the reward model
+
+    # -- 2. experience ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def make_experience(self, prompt_ids, prompt_mask, step: int) -> tuple[Experience, dict]:
+        a = self.args
+        t0 = time.time()
+        seq = generate(self.rlhf.actor, prompt_ids, prompt_mask, a, self.stop_ids, self.pad_id)
+        gen_time = time.time() - t0
+        P = prompt_ids.shape[1]
+        answer = seq[:, P:]
+        if answer.shape[1] == 0:  # nothing generated at all: keep one padding column so shapes stay valid
+            answer = torch.full((seq.shape[0], 1), self.pad_id, dtype=seq.dtype, device=seq.device)
+            seq = torch.cat([seq, answer], dim=1)
+        mask, ended = answer_mask(answer, self.stop_ids)
+        length = mask.sum(dim=1)
+        content = length - ended.long()  # tokens before the stop token
+        valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
+        attn = torch.cat([prompt_mask, mask.long()], dim=1)
+        seq = torch.where(attn.bool(), seq, torch.full_like(seq, self.pad_id))  # clean tail after stop
+
+        logprobs = answer_logprobs(_forward_logits(self.rlhf.actor, seq, attn), seq, P)
+        ref_logprobs = answer_logprobs(_forward_logits(self.rlhf.ref, seq, attn), seq, P)
+        values = token_values(self.rlhf.critic, seq, attn)[:, P - 1:-1]
+        if self.scorer is not None:
+            scores = torch.tensor(self.scorer(self._decode(prompt_ids, prompt_mask), self._decode(answer, mask)),
+                                  dtype=torch.float32, device=seq.device)
+        else:
+            reward_values = token_values(self.rlhf.reward, seq, attn)
+            last = (torch.arange(attn.shape[1], device=attn.device) * attn).argmax(dim=1)
+            scores = reward_values.gather(1, last[:, None]).squeeze(1)
+
+        loss_mask = mask & valid[:, None]
+        rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, a.kl_ctl, a.clip_reward_value)
+        t1 = time.time()
+        seg, fallbacks = self.segmenter(answer, loss_mask, ref_logprobs, step)
+        advantages, returns, mstats = compute_advantages(values, rewards, loss_mask, seg, a.value_function,
+                                                         a.macro_reward, a.gamma, a.lam, a.whiten_advantages)
+        macro_time = time.time() - t1
+        exp = Experience(seq, attn, P, loss_mask, logprobs, ref_logprobs, values, scores, rewards, seg,
+                         advantages, returns)
+        kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
+        n_valid = valid.sum().clamp(min=1)
+        stats = {"reward": scores.mean().item(),
+                 "reward_valid": (scores * valid).sum().item() / n_valid.item(),
+                 "kl": (kl.sum() / n_valid).item(),
+                 "return": returns[:, 0].mean().item() if returns.shape[1] else 0.0,
+                 "response_len": length.float().mean().item(),
+                 "eos_rate": ended.float().mean().item(),
+                 "invalid_answers": float((~valid).sum().item()),
+                 "parse_fallbacks": float(fallbacks),
+                 "gen_seconds": gen_time, "macro_seconds": macro_time,
+                 **{k: float(v) for k, v in mstats.items()}}
+        return exp, stats
+
+    def _decode(self, ids, mask) -> list[str]:
+        return [self.tokenizer.decode(i[m.bool()].tolist(), skip_special_tokens=True)
+                for i, m in zip(ids.cpu(), mask.cpu())]
+
+    # -- 4. PPO update --------------------------------------------------------------------------------------
+    def ppo_update(self, exps: list[Experience], ptx_batches=None) -> dict:
+        a = self.args
+        actor, critic = self.rlhf.actor, self.rlhf.critic
+        totals: dict[str, float] = {}
+        n = 0
+        for _ in range(a.ppo_epochs):
+            for exp in exps:
+                for mb in exp.split(a.per_device_training_batch_size):
+                    P = mb.prompt_width
+                    logprobs = answer_logprobs(_forward_logits(actor, mb.seq, mb.attention_mask), mb.seq, P)
+                    pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, a.cliprange,
+                                             seg=mb.seg, ratio=a.policy_ratio)
+                    actor.backward(pl)
+                    actor.step()
+                    values = token_values(critic, mb.seq, mb.attention_mask)[:, P - 1:-1]
+                    vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, a.cliprange_value)
+                    critic.backward(vl)
+                    critic.step()
+                    stats = {"actor_loss": pl.item(), "critic_loss": vl.item(),
+                             **{k: float(v) for k, v in {**pstats, **vstats}.items()}}
+                    if ptx_batches is not None:
+                        batch = next(ptx_batches)
+                        ptx = actor(**batch, use_cache=False).loss
+                        actor.backward(a.unsup_coef * ptx)
+                        actor.step()
+                        stats["ptx_loss"] = ptx.item()
+                    for k, v in stats.items():
+                        totals[k] = totals.get(k, 0.0) + v
+                    n += 1
+        return {k: v / max(n, 1) for k, v in totals.items()}
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def train(self, prompts: list[dict], ptx_items: list[dict] | None = None) -> int:
+        a = self.args
+        bs = a.per_device_generation_batch_size
+        sampler = ResumableSampler(len(prompts), a.seed)
+        loader = make_loader(prompts, bs, sampler, PromptCollator(self.pad_id))
+        steps_per_epoch = len(loader) // a.generation_batches
+        if steps_per_epoch == 0:
+            raise ValueError(f"{len(prompts)} prompts are too few for one PPO step (generation batch {bs} x "
+                             f"{a.generation_batches} batches x {dist.world_size()} ranks)")
+        total = steps_per_epoch * a.num_train_epochs
+        if a.max_steps:
+            total = min(total, a.max_steps)
+        ptx = self._ptx_iterator(ptx_items)
+        ckpt_root = Path(a.output_dir) / "checkpoints"
+        tracker = Tracker(a.output_dir, a.tensorboard_path, a.enable_tensorboard, a.print_loss)
+        step, epoch, done = 0, 0, 0
+        if a.resume:
+            state = checkpoint.load_checkpoint(ckpt_root, self.rlhf.trainable())
+            if state is not None:
+                step, epoch, done = state["step"], state["epoch"], state["batches_done"]
+        log.info("MA-PPO: %d prompts, %d steps/epoch, %d steps (from %d); rule %s n=%s, σ %s, ratio %s", len(prompts),
+                 steps_per_epoch, total, step, a.termination_condition, a.ngram, a.value_function, a.policy_ratio)
+        bar = tqdm(total=total, initial=step, desc="ma-ppo", disable=not dist.is_main() or a.disable_progress_bar)
+        dev = dist.device()
+        while step < total:
+            sampler.set_epoch(epoch, skip=done * bs)
+            it = iter(loader)
+            while done < steps_per_epoch and step < total:
+                # 1-3. experience for --generation_batches prompt batches
+                exps, gen_stats = [], []
+                for _ in range(a.generation_batches):
+                    batch = next(it)
+                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step)
+                    exps.append(exp)
+                    gen_stats.append(s)
+                done += 1
+                # 4. PPO epochs over the experience
+                t0 = time.time()
+                train_stats = self.ppo_update(exps, ptx)
+                if self.rlhf.ema is not None:
+                    update_ema(self.rlhf.actor, self.rlhf.ema, a.ema_decay, a.actor_zero_stage)
+                step += 1
+                # 5. log, print, checkpoint
+                stats = {k: sum(s[k] for s in gen_stats) / len(gen_stats) for k in gen_stats[0]}
+                stats.update(train_stats, train_seconds=time.time() - t0, epoch=epoch,
+                             actor_lr=self.rlhf.actor.get_lr()[0])
+                tracker.log(step, stats, prefix="train/")
+                bar.update(1)
+                bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
+                if a.print_answers and step % a.print_answers_interval == 0:
+                    self._print_sample(exps[0])
+                if a.save_steps and step % a.save_steps == 0:
+                    checkpoint.save_checkpoint(ckpt_root, self.rlhf.trainable(), step,
+                                               {"epoch": epoch, "batches_done": done}, a.keep_checkpoints)
+            if done >= steps_per_epoch:
+                epoch, done = epoch + 1, 0
+        bar.close()
+        tracker.close()
+        return step
+
+    def _ptx_iterator(self, items):
+        if not items:
+            return None
+        dev = dist.device()
+        loader = make_loader(items, self.args.per_device_training_batch_size,
+                             ResumableSampler(len(items), self.args.seed + 1), SFTCollator(self.pad_id))
+
+        def forever():
+            epoch = 0
+            while True:
+                loader.sampler.set_epoch(epoch)
+                for batch in loader:
+                    yield {k: v.to(dev) for k, v in batch.items()}
+                epoch += 1
+
+        return forever()
+
+    def _print_sample(self, exp: Experience) -> None:
+        if not dist.is_main():
+            return
+        P = exp.prompt_width
+        prompt = self.tokenizer.decode(exp.seq[0, :P][exp.attention_mask[0, :P].bool()], skip_special_tokens=True)
+        answer = self.tokenizer.decode(exp.seq[0, P:][exp.attention_mask[0, P:].bool()], skip_special_tokens=True)
+        n = int(macro.num_macros(exp.seg[:1])[0]) if exp.seg.numel() else 0
+        log.info("--- prompt ---\n%s\n--- answer (score %.3f, %d macro actions) ---\n%s", prompt,
+                 exp.scores[0].item(), n, answer)
+
+
+@torch.no_grad()
+def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_scorer=None, seed: int = 0) -> dict:
+    """Mean reward-model score (and gold score when the task has one) of the actor's answers to held-out
+    prompts, sampled with the training settings under a fixed seed that leaves the training RNG untouched."""
+    stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
+    pad = tokenizer.pad_token_id
+    loader = make_loader(prompts, args.per_device_generation_batch_size,
+                         ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
+    dev = dist.device()
+    totals = torch.zeros(4, dtype=torch.float64)  # rm sum, gold sum, length sum, count
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + dist.rank())
+        for batch in loader:
+            p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
+            seq = generate(actor, p_ids, p_mask, args, stop_ids, pad)
+            P = p_ids.shape[1]
+            mask, _ = answer_mask(seq[:, P:], stop_ids)
+            attn = torch.cat([p_mask, mask.long()], dim=1)
+            seq = torch.where(attn.bool(), seq, torch.full_like(seq, pad))
+            values = token_values(reward, seq, attn)
+            last = (torch.arange(attn.shape[1], device=dev) * attn).argmax(dim=1)
+            rm = values.gather(1, last[:, None]).squeeze(1)
+            gold = 0.0
+            if gold_scorer is not None:
+                dec = lambda ids, m: [tokenizer.decode(i[k.bool()].tolist(), skip_special_tokens=True)
+                                      for i, k in zip(ids.cpu(), m.cpu())]
+                gold = sum(gold_scorer(dec(p_ids, p_mask), dec(seq[:, P:], mask)))
+            totals += torch.tensor([rm.sum().item(), gold, mask.sum().item(), len(rm)], dtype=torch.float64)
+    if dist.world_size() > 1:
+        import torch.distributed as tdist
+
+        t = totals.to(dev)
+        tdist.all_reduce(t)
+        totals = t.cpu()
+    n = totals[3].clamp(min=1).item()
+    out = {"rm_score": totals[0].item() / n, "response_len": totals[2].item() / n, "num_prompts": n}
+    if gold_scorer is not None:
+        out["gold_score"] = totals[1].item() / n
+    return out

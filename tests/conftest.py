@@ -1,0 +1,49 @@
+"""Shared fixtures: the embedded default (built once per machine under $MARLHF_HOME) and run helpers."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEP1 = REPO / "training/step1_supervised_finetuning/main.py"
+STEP2 = REPO / "training/step2_reward_model_finetuning/main.py"
+STEP3 = REPO / "training/step3_rlhf_finetuning/main.py"
+
+# small, fast settings shared by the training tests (the quick start uses larger ones)
+TINY_DATA = "synthetic:num_records=1200"
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from marlhf import embedded as emb
+
+    return emb.prepare()
+
+
+def load_main(path: Path):
+    """Import a step's main.py as a module (they are scripts, not package modules)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"main_{path.parent.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def run_launcher(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``deepspeed`` launcher (CPU ranks over gloo); fail with its output on error."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+    return proc
+
+
+def deepspeed_cmd(num_gpus: int, port: int) -> list[str]:
+    launcher = shutil.which("deepspeed")
+    assert launcher, "the deepspeed launcher is not on PATH (pip install deepspeed)"
+    return [launcher, "--num_gpus", str(num_gpus), "--master_port", str(port)]

@@ -1,0 +1,161 @@
+"""Config parsing, phase splits, tokenization (response-only labels, over-long prompts) and the cache."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from marlhf.config import RewardArgs, RLHFArgs, SFTArgs, parse_args
+from marlhf.data.pipeline import (
+    PairCollator,
+    PromptCollator,
+    SFTCollator,
+    build_phase_data,
+    holdout_indices,
+    split_indices,
+    tokenize_phase,
+)
+from marlhf.data.records import BadRowPolicy, DataError, Record
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_deepspeed_chat_flags_parse_with_their_meaning():
+    args, ns = parse_args(RLHFArgs, ["--data_path", "a", "b", "--ngram", "inf", "--actor_zero_stage", "2",
+                                     "--critic_zero_stage", "3", "--offload_reference_model", "--deepspeed",
+                                     "--termination_condition", "ppl", "--value_function", "position"])
+    assert args.data_path == ["a", "b"] and args.ngram_n is None
+    assert (args.actor_zero_stage, args.critic_zero_stage) == (2, 3)
+    assert args.offload_reference_model and ns.deepspeed
+    assert parse_args(RLHFArgs, ["--ngram", "1"])[0].ngram_n == 1
+    sft, _ = parse_args(SFTArgs, ["--bf16", "--output_dir", "/tmp/x"])
+    assert sft.dtype == "bf16" and sft.tensorboard_path == "/tmp/x/tensorboard"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data_split", "2,4"], "data_split"),
+    (["--ngram", "-3"], "ngram"),
+    (["--only_optimize_lora"], "lora_dim"),
+    (["--per_device_training_batch_size", "16", "--per_device_generation_batch_size", "4"], "exceed"),
+])
+def test_bad_flag_values_are_rejected_with_the_flag_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(RLHFArgs, argv)
+
+
+def test_unknown_choice_exits():
+    with pytest.raises(SystemExit):
+        parse_args(RLHFArgs, ["--termination_condition", "sentence"])
+
+
+def test_config_file_is_merged_under_the_command_line(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"learning_rate": 0.5, "zero_stage": 3, "seed": 7}))
+    args, _ = parse_args(RewardArgs, ["--config", str(cfg), "--seed", "9"])
+    assert (args.learning_rate, args.zero_stage, args.seed) == (0.5, 3, 9)
+    cfg.write_text(json.dumps({"not_a_flag": 1}))
+    with pytest.raises(ValueError, match="not_a_flag"):
+        parse_args(RewardArgs, ["--config", str(cfg)])
+
+
+# ---------------------------------------------------------------------------------------------- splits
+
+
+def test_split_is_a_deterministic_partition():
+    n = 1001
+    parts = [split_indices(n, "2,4,4", phase, seed=3) for phase in (1, 2, 3)]
+    assert [len(p) for p in parts] == [200, 401, 400]  # cuts at round(1001 * 0.2) = 200, round(1001 * 0.6) = 601
+    assert sorted(sum(parts, [])) == list(range(n))  # disjoint and complete
+    assert parts == [split_indices(n, "2,4,4", phase, seed=3) for phase in (1, 2, 3)]
+    assert parts[0] != split_indices(n, "2,4,4", 1, seed=4)
+    assert split_indices(10, "10,0,0", 2, seed=0) == []
+
+
+def test_holdout_is_disjoint_from_train():
+    train, held = holdout_indices(200, 0.05, seed=1)
+    assert len(held) == 10 and not set(train) & set(held) and len(train) + len(held) == 200
+
+
+# ---------------------------------------------------------------------------------------------- tokenization
+class CharTokenizer:
+    """One id per character, BOS = 1: enough to check label masking and limits exactly."""
+
+    def __call__(self, text):
+        return {"input_ids": [1] + [ord(c) for c in text]}
+
+
+def test_sft_labels_cover_exactly_the_response():
+    recs = [Record("ab", " xyz", None, "f.jsonl:1")]
+    items = tokenize_phase(recs, 1, CharTokenizer(), eot="$", max_seq_len=64, max_prompt_len=64,
+                           policy=BadRowPolicy())
+    assert items == [{"input_ids": [1, 97, 98, 32, 120, 121, 122, 36], "response_start": 3}]
+    batch = SFTCollator(pad_id=0)(items + [{"input_ids": [1, 5, 6, 7], "response_start": 2}])
+    assert batch["labels"].tolist() == [[-100, -100, -100, 32, 120, 121, 122, 36],
+                                        [-100, -100, 6, 7, -100, -100, -100, -100]]
+    assert batch["attention_mask"].sum(1).tolist() == [8, 4]
+
+
+def test_over_long_prompt_is_named_or_counted():
+    recs = [Record("a" * 10, " b", " c", "data/x.jsonl:7"), Record("a", " b", " c", "data/x.jsonl:8")]
+    with pytest.raises(DataError, match=r"data/x.jsonl: row 7: field 'prompt'.*longer than the limit"):
+        tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=BadRowPolicy())
+    policy = BadRowPolicy("skip")
+    items = tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=policy)
+    assert len(items) == 1 and policy.num_skipped == 1 and "prompt" in policy.summary()
+    # RLHF prompts use the prompt limit alone
+    items = tokenize_phase(recs, 3, CharTokenizer(), eot="", max_seq_len=0, max_prompt_len=11,
+                           policy=BadRowPolicy())
+    assert [len(i["prompt_ids"]) for i in items] == [11, 2]
+
+
+def test_reward_phase_needs_pairs():
+    recs = [Record("p", " a", None, "apps:3")]
+    with pytest.raises(DataError, match="rejected"):
+        tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=BadRowPolicy())
+
+
+def test_pair_and_prompt_collators_pad_on_the_right_side():
+    pairs = PairCollator(0)([{"chosen_ids": [5, 6, 7], "rejected_ids": [5]}])
+    assert pairs["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
+    prompts = PromptCollator(0)([{"prompt_ids": [4, 5]}, {"prompt_ids": [9]}])
+    assert prompts["prompt_ids"].tolist() == [[4, 5], [0, 9]]
+    assert prompts["prompt_mask"].tolist() == [[1, 1], [0, 1]]
+
+
+# ---------------------------------------------------------------------------------------------- cache
+class CountingTokenizer(CharTokenizer):
+    name_or_path, padding_side = "char", "right"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, text):
+        self.calls += 1
+        return super().__call__(text)
+
+    def __len__(self):
+        return 256
+
+
+def _args(tmp_path, data_file, **kw):
+    base = dict(data_path=[str(data_file)], data_split="1,1,1", seed=0, eval_fraction=0.2, max_eval_samples=0,
+                end_of_conversation_token="$", max_seq_len=64, bad_rows="error", data_output_path=str(tmp_path / "c"))
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_cache_is_reused_and_keyed_by_inputs(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": " c", "rejected": " r"}) + "\n"
+                            for i in range(30)))
+    tok = CountingTokenizer()
+    first = build_phase_data(_args(tmp_path, data), tok, phase=1)
+    calls = tok.calls
+    again = build_phase_data(_args(tmp_path, data), tok, phase=1)
+    assert tok.calls == calls and again.train == first.train  # served from the cache
+    other = build_phase_data(_args(tmp_path, data, max_seq_len=5), tok, phase=1)
+    assert tok.calls > calls and other.train != first.train  # a changed input rebuilds
+    assert len(first.eval) == 6 and len(first.train) == 8  # 20% held out, a third of the rest
+    prompt = lambda x: tuple(x["input_ids"][:x["response_start"]])
+    assert not {prompt(x) for x in first.train} & {prompt(x) for x in first.eval}
+    assert torch.is_tensor(torch.tensor(first.train[0]["input_ids"]))

@@ -1,0 +1,157 @@
+"""Steps 1 and 2 on the tiny model, one rank in-process: they learn, export loadable HF models, resume.
+
+Numbers asserted here were measured with these fixed seeds (see the comments); they leave a wide margin.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import STEP1, STEP2, TINY_DATA, load_main
+from safetensors.torch import load_file
+
+from marlhf.utils.tracking import read_metrics
+
+COMMON = ["--data_path", TINY_DATA, "--max_seq_len", "256", "--per_device_train_batch_size", "8",
+          "--per_device_eval_batch_size", "16", "--max_eval_samples", "64", "--disable_progress_bar", "--seed", "1"]
+
+
+def sft_argv(out: Path, data: Path, *extra: str) -> list[str]:
+    return [*COMMON, "--output_dir", str(out), "--data_output_path", str(data), "--learning_rate", "2e-3",
+            "--num_warmup_steps", "3", *extra]
+
+
+@pytest.fixture(scope="module")
+def sft_run(embedded, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    load_main(STEP1)(sft_argv(out / "model", out / "data", "--max_steps", "30"))
+    return out / "model"
+
+
+def eval_history(out: Path) -> list[dict]:
+    return [m for m in read_metrics(out) if "eval/perplexity" in m]
+
+
+def test_sft_lowers_held_out_perplexity(sft_run):
+    history = eval_history(sft_run)
+    first, last = history[0]["eval/perplexity"], history[-1]["eval/perplexity"]
+    # measured: ~2000 (uniform over a 2000-token vocabulary) -> ~60 after 30 steps
+    assert history[0]["step"] == 0 and history[-1]["step"] == 30
+    assert last < first / 10, (first, last)
+    losses = [m["train/loss"] for m in read_metrics(sft_run) if "train/loss" in m]
+    assert len(losses) == 30 and all(map(torch.isfinite, torch.tensor(losses)))
+
+
+def test_sft_export_loads_in_plain_transformers(sft_run, embedded):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sft_run)
+    model = AutoModelForCausalLM.from_pretrained(sft_run)
+    assert (sft_run / "model.safetensors").exists() and (sft_run / "tokenizer.json").exists()
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert eot in model.generation_config.eos_token_id  # generation stops at the end of an answer
+    base = AutoModelForCausalLM.from_pretrained(embedded.model_dir)
+    moved = [n for n, p in model.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
+    assert len(moved) > 10  # training changed the weights that were exported
+
+
+def test_export_round_trip_logits_equal(embedded, tmp_path):
+    """The exported folder reproduces the trained module's logits exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from marlhf.models.loading import load_causal_lm, load_tokenizer
+    from marlhf.utils.checkpoint import export_hf
+
+    tok = load_tokenizer(str(embedded.model_dir))
+    model = load_causal_lm(str(embedded.model_dir), tok)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    export_hf(model, tok, tmp_path / "out")
+    ids = tok(["SUBREDDIT: r/pets\nPOST: a cat", "TL;DR: hi"], return_tensors="pt", padding=True)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(model(**ids).logits, again(**ids).logits)
+
+
+def test_resume_reproduces_the_uninterrupted_run(embedded, tmp_path):
+    """Stop after 3 of 6 steps (the checkpoint of step 3 is the newest complete one), resume, compare."""
+    main = load_main(STEP1)
+    argv = lambda out: sft_argv(out, tmp_path / "data", "--max_steps", "6", "--save_steps", "3",
+                                "--keep_checkpoints", "5", "--dropout", "0.1")
+    main(argv(tmp_path / "full"))
+    # the "stopped" run: its output holds what a run killed during step 4-6 would have left behind
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step00000003", tmp_path / "stopped/checkpoints/step00000003")
+    (tmp_path / "stopped/checkpoints/latest").write_text("step00000003")
+    # a crash while saving step 6: a half-written folder that `latest` never pointed to
+    (tmp_path / "stopped/checkpoints/step00000006/sft").mkdir(parents=True)
+    main([*argv(tmp_path / "stopped"), "--resume"])
+    full = load_file(tmp_path / "full" / "model.safetensors")
+    resumed = load_file(tmp_path / "stopped" / "model.safetensors")
+    assert full.keys() == resumed.keys()
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    steps = [m["step"] for m in read_metrics(tmp_path / "stopped") if "train/loss" in m]
+    assert steps == [4, 5, 6]  # continued where it stopped, nothing repeated
+    state = json.loads((tmp_path / "stopped/checkpoints/step00000006/trainer_state.json").read_text())
+    assert state["step"] == 6
+
+
+def test_lora_adapter_saved_in_peft_format_and_mergeable(embedded, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "lora"
+    load_main(STEP1)(sft_argv(out, tmp_path / "data", "--max_steps", "4", "--lora_dim", "4",
+                              "--only_optimize_lora", "--lora_learning_rate", "1e-2"))
+    assert (out / "lora_adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(embedded.model_dir)
+    base.resize_token_embeddings(merged.get_input_embeddings().weight.shape[0])
+    peft_model = PeftModel.from_pretrained(base, out / "lora_adapter").merge_and_unload()
+    ids = AutoTokenizer.from_pretrained(out)(["TL;DR: we tried a crate"], return_tensors="pt")
+    with torch.no_grad():
+        a, b = merged(**ids).logits, peft_model(**ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(embedded.model_dir)(**ids).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a, plain, atol=1e-4)  # the adapter changed something
+
+
+def test_fp16_on_cpu_fails_with_the_reason(embedded, tmp_path):
+    with pytest.raises(RuntimeError, match="fp16 needs an accelerator"):
+        load_main(STEP1)(sft_argv(tmp_path / "o", tmp_path / "d", "--dtype", "fp16", "--max_steps", "1"))
+
+
+@pytest.fixture(scope="module")
+def reward_run(sft_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    load_main(STEP2)([*COMMON, "--model_name_or_path", str(sft_run), "--output_dir", str(out / "model"),
+                      "--data_output_path", str(out / "data"), "--learning_rate", "5e-4", "--max_steps", "40",
+                      "--max_eval_samples", "128", "--eval_interval", "20"])
+    return out / "model"
+
+
+def test_reward_model_beats_chance_on_held_out_pairs(reward_run):
+    evals = [m for m in read_metrics(reward_run) if "eval/accuracy" in m]
+    assert evals[-1]["step"] == 40
+    # measured on 128 held-out pairs with label noise 0.1: start ~0.5, after 40 steps ~0.8
+    assert evals[-1]["eval/accuracy"] >= 0.7, evals
+    assert evals[-1]["eval/chosen_score"] > evals[-1]["eval/rejected_score"]
+
+
+def test_reward_model_loads_as_sequence_classifier(reward_run):
+    """Plain transformers scores the last non-pad token — the same number our step-2 code trains."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from marlhf.models.loading import load_value_model, sequence_scores
+
+    tok = AutoTokenizer.from_pretrained(reward_run)
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_run)
+    ours = load_value_model(str(reward_run), tok)
+    batch = tok(["TL;DR: I got a dog.<|endoftext|>", "TL;DR: We tried a crate, it did not help.<|endoftext|>"],
+                return_tensors="pt", padding=True)
+    with torch.no_grad():
+        a = hf(**batch).logits.squeeze(-1)
+        b = sequence_scores(ours, batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
