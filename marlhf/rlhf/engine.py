@@ -37,21 +37,26 @@ class RLHFEngine:
         return out
 
 
-def check_hybrid_engine(enabled: bool) -> None:
-    """DeepSpeed's hybrid engine swaps in GPU inference kernels for generation; say so on other devices."""
-    if not enabled:
-        return
+def hybrid_engine_config(args) -> dict | None:
+    """The actor's ``hybrid_engine`` section (DeepSpeed-Chat's settings), or None when the flag is off."""
+    if not args.enable_hybrid_engine:
+        return None
+    return {"hybrid_engine": {"enabled": True, "max_out_tokens": args.max_prompt_seq_len + args.max_answer_seq_len,
+                              "inference_tp_size": args.inference_tp_size,
+                              "release_inference_cache": args.release_inference_cache,
+                              "pin_parameters": not args.unpin_actor_parameters,
+                              "tp_gather_partition_size": args.tp_gather_partition_size}}
+
+
+def _hybrid_engine_error(err: Exception) -> RuntimeError:
     from deepspeed.accelerator import get_accelerator
 
-    name = get_accelerator().device_name()
-    if name == "cpu":
-        raise RuntimeError("--enable_hybrid_engine needs DeepSpeed's GPU inference kernels (CUDA/ROCm); on the "
-                           "'cpu' accelerator DeepSpeed fails with 'This op had not been implemented on CPU "
-                           "backend'. Drop the flag: generation then runs through the training engine.")
+    return RuntimeError(f"--enable_hybrid_engine: DeepSpeed's hybrid engine could not start on the "
+                        f"'{get_accelerator().device_name()}' accelerator ({err}). It needs DeepSpeed's GPU inference "
+                        f"kernels (CUDA/ROCm); drop the flag to generate through the training engine instead.")
 
 
 def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
-    check_hybrid_engine(args.enable_hybrid_engine)
     if args.enable_ema and (args.actor_lora_dim or args.lora_dim):
         raise ValueError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
                          "drop --enable_ema or LoRA")
@@ -67,11 +72,18 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     if lora_dim > 0:
         actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
                            args.only_optimize_lora)
-    actor = train_engine(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
-                         lora_lr=args.lora_learning_rate, micro_batch=mb, grad_accum=args.gradient_accumulation_steps,
-                         zero_stage=args.actor_zero_stage, offload=args.offload, dtype=args.dtype,
-                         scheduler=args.lr_scheduler_type, warmup=warmup, total_steps=total_steps,
-                         gradient_checkpointing=args.actor_gradient_checkpointing)
+    hybrid = hybrid_engine_config(args)
+    try:
+        actor = train_engine(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
+                             lora_lr=args.lora_learning_rate, micro_batch=mb,
+                             grad_accum=args.gradient_accumulation_steps, zero_stage=args.actor_zero_stage,
+                             offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
+                             warmup=warmup, total_steps=total_steps,
+                             gradient_checkpointing=args.actor_gradient_checkpointing, extra_config=hybrid)
+    except (ValueError, RuntimeError, NotImplementedError) as err:
+        if hybrid is None:
+            raise
+        raise _hybrid_engine_error(err) from err
     # reference: frozen SFT policy for the KL penalty
     ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0), zero_stage=args.actor_zero_stage,
                         offload=args.offload_reference_model, dtype=args.dtype)

@@ -80,10 +80,14 @@ def _forward_logits(model, seq, attention_mask):
 
 @torch.no_grad()
 def generate(actor, prompt_ids, prompt_mask, args, stop_ids, pad_id) -> torch.Tensor:
-    """Sample answers (temperature / top-k / top-p); ZeRO-3 parameters are gathered once for the call."""
+    """Sample answers (temperature / top-k / top-p).
+
+    With the hybrid engine the DeepSpeed engine generates with its inference kernels; otherwise the module
+    generates, its ZeRO-3 parameters gathered once for the whole call (not once per token)."""
     actor.eval()
-    module = actor.module
-    with _gathered(module, args.actor_zero_stage):
+    hybrid = getattr(args, "enable_hybrid_engine", False)
+    module = actor if hybrid else actor.module
+    with _gathered(actor.module, 0 if hybrid else args.actor_zero_stage):
         seq = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
                               temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
                               max_new_tokens=args.max_answer_seq_len, eos_token_id=stop_ids,

@@ -56,8 +56,11 @@ def make_scheduler(optimizer, kind: str, warmup: int, total: int):
 
 def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: float, micro_batch: int,
                  grad_accum: int, zero_stage: int, offload: bool, dtype: str, scheduler: str, warmup: int,
-                 total_steps: int, gradient_checkpointing: bool = False, tensorboard_dir: str | None = None):
-    """A DeepSpeed training engine around ``model`` (DeepSpeed-Chat's actor/critic/SFT setup)."""
+                 total_steps: int, gradient_checkpointing: bool = False, tensorboard_dir: str | None = None,
+                 extra_config: dict | None = None):
+    """A DeepSpeed training engine around ``model`` (DeepSpeed-Chat's actor/critic/SFT setup).
+
+    ``extra_config`` is merged into the DeepSpeed config (e.g. the actor's ``hybrid_engine`` section)."""
     import deepspeed
 
     if gradient_checkpointing:
@@ -65,6 +68,7 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = train_config(micro_batch=micro_batch, grad_accum=grad_accum, world_size=dist.world_size(),
                           zero_stage=zero_stage, offload=offload, dtype=dtype, tensorboard_dir=tensorboard_dir)
+    config.update(extra_config or {})
     optimizer = make_optimizer(param_groups(model, weight_decay, lr, lora_lr), lr, offload)
     sched = make_scheduler(optimizer, scheduler, warmup, total_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched, config=config)

@@ -1,0 +1,175 @@
+"""Step 3 (MA-PPO) end to end on the nano model: n = 1 and n = 5, every rule through the trainer's
+segmenter, EMA, ptx, resume, multi-rank ZeRO, and the hybrid-engine error on CPU."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import STEP3, deepspeed_cmd, load_main, run_launcher
+from safetensors.torch import load_file
+
+from marlhf.utils.tracking import read_metrics
+
+
+@pytest.fixture(scope="module")
+def nano():
+    from marlhf import embedded
+
+    return embedded.prepare(size="nano").model_dir
+
+
+def step3_argv(nano, out, *extra):
+    return ["--actor_model_name_or_path", str(nano), "--critic_model_name_or_path", str(nano),
+            "--data_path", "synthetic:num_records=400", "--data_output_path", str(out / "data"),
+            "--output_dir", str(out), "--max_prompt_seq_len", "160", "--max_answer_seq_len", "24",
+            "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
+            "--max_eval_samples", "4", "--disable_progress_bar", "--seed", "3", "--actor_learning_rate", "1e-3",
+            "--critic_learning_rate", "1e-3", *extra]
+
+
+def train_rows(out):
+    return [m for m in read_metrics(out) if "train/actor_loss" in m]
+
+
+@pytest.fixture(scope="module")
+def run_n5(nano, tmp_path_factory):
+    out = tmp_path_factory.mktemp("n5")
+    load_main(STEP3)(step3_argv(nano, out, "--ngram", "5", "--max_steps", "2", "--enable_ema", "--ema_decay", "0.5",
+                                "--unsupervised_dataset_name", "synthetic:num_records=50", "--unsup_coef", "0.5",
+                                "--print_answers", "--generation_batches", "2"))
+    return out
+
+
+def test_n5_run_trains_and_exports(run_n5, nano):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    rows = train_rows(run_n5)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("train/actor_loss", "train/critic_loss", "train/ptx_loss", "train/kl", "train/reward"):
+            assert torch.isfinite(torch.tensor(r[key])), key
+        # answers are <= 24 tokens and macro actions are 5 tokens except each sample's last one
+        assert 1 <= r["train/macro_len"] <= 5
+        assert r["train/num_macros"] >= r["train/response_len"] / 5 - 1e-6
+    actor = AutoModelForCausalLM.from_pretrained(run_n5 / "actor")
+    ema = AutoModelForCausalLM.from_pretrained(run_n5 / "actor_ema")
+    init = AutoModelForCausalLM.from_pretrained(nano).state_dict()
+    a, e = actor.state_dict(), ema.state_dict()
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(a[name], init[name])  # the actor trained
+    assert not torch.equal(e[name], a[name]) and not torch.equal(e[name], init[name])  # EMA lies in between
+    AutoModelForSequenceClassification.from_pretrained(run_n5 / "critic")
+    summary = json.loads((run_n5 / "summary.json").read_text())
+    assert {"rm_score", "gold_score"} <= summary["final_policy"].keys()
+
+
+def test_n1_is_vanilla_ppo(nano, tmp_path):
+    load_main(STEP3)(step3_argv(nano, tmp_path, "--ngram", "1", "--max_steps", "1", "--policy_ratio", "macro"))
+    (row,) = train_rows(tmp_path)
+    assert row["train/macro_len"] == 1.0
+    assert 1 <= row["train/num_macros"] <= row["train/response_len"]
+
+
+def test_resume_gives_the_same_weights(nano, tmp_path):
+    main = load_main(STEP3)
+    argv = lambda out: step3_argv(nano, out, "--max_steps", "3", "--save_steps", "1", "--keep_checkpoints", "5",
+                                  "--termination_condition", "randomized")
+    main(argv(tmp_path / "full"))
+    shutil.copytree(tmp_path / "full/checkpoints/step00000001", tmp_path / "stopped/checkpoints/step00000001")
+    (tmp_path / "stopped/checkpoints/latest").write_text("step00000001")
+    shutil.copy(tmp_path / "full/initial_policy.json", tmp_path / "stopped/initial_policy.json")
+    main([*argv(tmp_path / "stopped"), "--resume"])
+    for part in ("actor", "critic"):
+        full = load_file(tmp_path / "full" / part / "model.safetensors")
+        resumed = load_file(tmp_path / "stopped" / part / "model.safetensors")
+        assert all(torch.equal(full[k], resumed[k]) for k in full), part
+    assert [r["step"] for r in train_rows(tmp_path / "stopped")] == [2, 3]
+
+
+def test_hybrid_engine_fails_clearly_on_cpu(nano, tmp_path):
+    with pytest.raises(RuntimeError, match="hybrid engine could not start on the 'cpu'.*not been implemented on CPU"):
+        load_main(STEP3)(step3_argv(nano, tmp_path, "--enable_hybrid_engine", "--max_steps", "1"))
+
+
+@pytest.mark.slow
+def test_two_ranks_actor_zero2_critic_zero3(nano, tmp_path):
+    run_launcher([*deepspeed_cmd(2, 29621), str(STEP3),
+                  *step3_argv(nano, tmp_path, "--actor_zero_stage", "2", "--critic_zero_stage", "3",
+                              "--max_steps", "2", "--ngram", "5", "--save_steps", "2")], timeout=600)
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["train/critic_loss"])) for r in rows)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    init = AutoModelForCausalLM.from_pretrained(nano).state_dict()
+    actor = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").state_dict()
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic").state_dict()
+    assert all(actor[k].shape == v.shape for k, v in init.items())
+    assert critic["score.weight"].shape[0] == 1
+    assert (tmp_path / "checkpoints/latest").read_text() == "step00000002"
+
+
+# ---------------------------------------------------------------------------------------------- segmenter
+def _segmenter(rule, **kw):
+    from types import SimpleNamespace
+
+    from marlhf.models.loading import load_tokenizer
+    from marlhf.rlhf.trainer import MacroSegmenter
+
+    tok = load_tokenizer("")
+    args = SimpleNamespace(termination_condition=rule, ngram_n=kw.get("n", 5), seed=0, repeat_times=3,
+                           macro_reward=kw.get("macro_reward", "sum"), response_kind="text", parser_backend="spacy",
+                           parser_cutoff=5)
+    return MacroSegmenter(args, tok), tok
+
+
+def _answers(tok, texts):
+    from marlhf.data.pipeline import _pad
+
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|endoftext|>")]
+           for t in texts]
+    answer, mask = _pad(ids, tok.pad_token_id)
+    return answer, mask.bool()
+
+
+def test_word_rule_starts_each_word(embedded):
+    seg_fn, tok = _segmenter("word")
+    answer, mask = _answers(tok, [" We tried a crate, it did not help."])
+    seg, fallbacks = seg_fn(answer, mask, torch.zeros(answer.shape), step=0)
+    words = {}
+    for k, tid in enumerate(answer[0][mask[0]].tolist()):
+        words.setdefault(int(seg[0, k]), []).append(tid)
+    pieces = [tok.decode(w) for w in words.values()]
+    assert pieces[:4] == [" We", " tried", " a", " crate,"] and fallbacks == 0
+
+
+def test_parsing_rule_respects_phrases_and_counts_a_forced_fallback(embedded):
+    seg_fn, tok = _segmenter("parsing")
+    texts = [" My sister adopted a small grey kitten from the shelter last spring. It hides under the bed.",
+             " We tried a crate, but it did not help."]
+    answer, mask = _answers(tok, texts)
+    seg, fallbacks = seg_fn(answer, mask, torch.zeros(answer.shape), step=0)
+    assert fallbacks == 0
+    n = int(mask[0].sum())
+    sizes = torch.bincount(seg[0][: n - 1])  # the EOS token (empty span) joins the last action; leave it out
+    assert sizes.max() <= 6 and len(sizes) >= 4  # phrases of <= C = 5 tokens (+ a sentence's closing token)
+    # a macro action never spans the sentence boundary: "." ends one, "It" starts the next
+    ids = answer[0][mask[0]].tolist()
+    k_it = next(k for k in range(len(ids)) if tok.decode(ids[k:k + 1]).strip() == "It")
+    assert seg[0, k_it] != seg[0, k_it - 1]
+    # a non-canonical tokenization (cannot be aligned) falls back to fixed n-grams and is counted
+    # (" crate" spelled letter by letter: the canonical tokenization is ["▁cr", "ate"])
+    pieces = tok.convert_tokens_to_ids(["▁c", "r", "a", "t", "e"])
+    assert tok.unk_token_id not in pieces and tok(" crate", add_special_tokens=False)["input_ids"] != pieces
+    bad = torch.tensor([pieces + [tok.convert_tokens_to_ids("<|endoftext|>")]])
+    seg_b, fb = seg_fn(bad, torch.ones_like(bad, dtype=torch.bool), torch.zeros(bad.shape), step=0)
+    assert fb == 1 and seg_b[0].tolist() == [0, 0, 0, 0, 0, 1]
+
+
+def test_compat_mode_gives_the_last_token_its_own_macro(embedded):
+    seg_fn, tok = _segmenter("fixed", n=5, macro_reward="compat")
+    answer, mask = _answers(tok, [" We tried a crate and it did not help at all, sadly."])
+    seg, _ = seg_fn(answer, mask, torch.zeros(answer.shape), step=0)
+    n = int(mask[0].sum())
+    assert seg[0, n - 1] == seg[0, n - 2] + 1 and (seg[0, : n - 1] == torch.arange(n - 1) // 5).all()
