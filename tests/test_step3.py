@@ -173,3 +173,22 @@ def test_compat_mode_gives_the_last_token_its_own_macro(embedded):
     seg, _ = seg_fn(answer, mask, torch.zeros(answer.shape), step=0)
     n = int(mask[0].sum())
     assert seg[0, n - 1] == seg[0, n - 2] + 1 and (seg[0, : n - 1] == torch.arange(n - 1) // 5).all()
+
+
+def test_lora_offload_checkpointing_and_zero3_actor(nano, tmp_path):
+    """One step with the memory-saving options together: ZeRO-3 actor (parameters gathered for generation),
+    CPU offload (DeepSpeedCPUAdam), offloaded reference, gradient checkpointing, LoRA on the actor."""
+    from transformers import AutoModelForCausalLM
+
+    load_main(STEP3)(step3_argv(nano, tmp_path, "--max_steps", "1", "--actor_zero_stage", "3", "--offload",
+                                "--offload_reference_model", "--actor_gradient_checkpointing",
+                                "--critic_gradient_checkpointing", "--actor_lora_dim", "4",
+                                "--lora_learning_rate", "5e-2"))
+    (row,) = train_rows(tmp_path)
+    assert torch.isfinite(torch.tensor([row["train/actor_loss"], row["train/critic_loss"]])).all()
+    assert (tmp_path / "actor" / "lora_adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").state_dict()
+    init = AutoModelForCausalLM.from_pretrained(nano).state_dict()
+    assert all(merged[k].shape == v.shape for k, v in init.items())  # gathered from the ZeRO-3 partitions
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[name], init[name])  # the LoRA update was merged into the export

@@ -26,7 +26,8 @@ def sft_argv(out: Path, data: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def sft_run(embedded, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
-    load_main(STEP1)(sft_argv(out / "model", out / "data", "--max_steps", "30"))
+    load_main(STEP1)(sft_argv(out / "model", out / "data", "--max_steps", "30", "--enable_tensorboard",
+                              "--gradient_checkpointing"))
     return out / "model"
 
 
@@ -42,6 +43,7 @@ def test_sft_lowers_held_out_perplexity(sft_run):
     assert last < first / 10, (first, last)
     losses = [m["train/loss"] for m in read_metrics(sft_run) if "train/loss" in m]
     assert len(losses) == 30 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert list((sft_run / "tensorboard").glob("events.out.tfevents.*"))  # --enable_tensorboard wrote events
 
 
 def test_sft_export_loads_in_plain_transformers(sft_run, embedded):
