@@ -66,8 +66,10 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
     if gradient_checkpointing:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         # transformers >= 5 calls it activation checkpointing; older releases gradient checkpointing
-        enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(inner, "activation_checkpointing_enable"):
+            inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = train_config(micro_batch=micro_batch, grad_accum=grad_accum, world_size=dist.world_size(),
                           zero_stage=zero_stage, offload=offload, dtype=dtype, tensorboard_dir=tensorboard_dir)
     config.update(extra_config or {})

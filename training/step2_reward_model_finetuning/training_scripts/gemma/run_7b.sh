@@ -17,6 +17,7 @@
 #   BAD_ROWS          skip (default: over-long prompts are dropped and counted in the log) | error
 #   LAUNCHER_ARGS     extra `deepspeed` launcher options, e.g. "--no_ssh --node_rank 1 --master_addr A"
 #   EXTRA_ARGS        appended verbatim to main.py's flags (later flags win), e.g. "--max_steps 10"
+#   LOG_FILE          where the output is also written (default $OUTPUT/training.log)
 set -euo pipefail
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -59,7 +60,8 @@ read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 MAIN="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/main.py"
 
 # 7B: ZeRO-3 partitions parameters, gradients and optimizer state; gradient checkpointing saves activations.
-mkdir -p "$OUTPUT"
+LOG_FILE=${LOG_FILE:-$OUTPUT/training.log}
+mkdir -p "$OUTPUT" "$(dirname "$LOG_FILE")"
 "${LAUNCH[@]}" "${LAUNCHER_EXTRA[@]}" "$MAIN" \
     --model_name_or_path "$MODEL_PATH" \
     --data_path "${DATA_PATH[@]}" \
@@ -83,4 +85,4 @@ mkdir -p "$OUTPUT"
     --deepspeed \
     --output_dir "$OUTPUT" \
     "${EXTRA[@]}" \
-    2>&1 | tee "$OUTPUT/training.log"
+    2>&1 | tee "$LOG_FILE"

