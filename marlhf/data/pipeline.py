@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +158,9 @@ class PhaseData:
 def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
     """Tokenized train/eval examples of ``phase``, from the cache under ``--data_output_path`` when present.
 
-    Rank 0 builds and writes the cache atomically; the other ranks wait and read it."""
+    The first rank of every node builds and writes the cache atomically (nodes need not share a file
+    system; on a shared one the identical writes replace each other atomically); the other ranks wait
+    and read it."""
     max_seq_len = getattr(args, "max_seq_len", 0)
     max_prompt = getattr(args, "max_prompt_seq_len", max_seq_len)
     key = cache_key(specs=args.data_path, split=args.data_split, phase=phase, seed=args.seed,
@@ -167,7 +170,7 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
                     max_seq_len=max_seq_len, max_prompt=max_prompt, bad_rows=args.bad_rows,
                     sources=[_source_fingerprint(s) for s in args.data_path])
     path = Path(args.data_output_path) / f"{PHASES[phase]}_{key}.pt"
-    if dist.is_main() and not path.exists():
+    if dist.is_local_main() and not path.exists():
         policy = BadRowPolicy(args.bad_rows)
         train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.seed,
                                               args.eval_fraction, policy)
@@ -184,7 +187,7 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
         payload = {"train": train, "eval": evaluation, "eval_records": [r.to_dict() for r in eval_recs],
                    "skipped": policy.summary()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_suffix(f".tmp{socket.gethostname()}-{os.getpid()}")
         torch.save(payload, tmp)
         os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache behind
     dist.barrier()

@@ -50,6 +50,11 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def is_local_main() -> bool:
+    """First rank of this node: the one that writes node-local files (e.g. the tokenized-data cache)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
