@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader
+from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.loading import sequence_scores
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.engine import train_engine, warmup_steps
@@ -119,13 +119,7 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
     loader = make_loader(train_items, mb, sampler, objective.collator)
     eval_loader = make_loader(eval_items, args.per_device_eval_batch_size,
                               ResumableSampler(len(eval_items), args.seed, shuffle=False), objective.collator)
-    steps_per_epoch = len(loader) // ga
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_items)} training examples are too few for one optimizer step "
-                         f"(batch {mb} x accumulation {ga} x {dist.world_size()} ranks)")
-    total = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total = min(total, args.max_steps)
+    steps_per_epoch, total = plan_steps(len(train_items), mb, ga, args.num_train_epochs, args.max_steps)
     engine = train_engine(model, lr=args.learning_rate, weight_decay=args.weight_decay,
                           lora_lr=args.lora_learning_rate, micro_batch=mb, grad_accum=ga,
                           zero_stage=args.zero_stage, offload=args.offload, dtype=args.dtype,

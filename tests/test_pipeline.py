@@ -159,3 +159,13 @@ def test_cache_is_reused_and_keyed_by_inputs(tmp_path):
     prompt = lambda x: tuple(x["input_ids"][:x["response_start"]])
     assert not {prompt(x) for x in first.train} & {prompt(x) for x in first.eval}
     assert torch.is_tensor(torch.tensor(first.train[0]["input_ids"]))
+
+
+def test_plan_steps_counts_like_the_loaders():
+    from marlhf.data.pipeline import plan_steps
+
+    # 100 items, batch 8 -> 13 batches (last one partial), 2 batches per step -> 6 steps per epoch
+    assert plan_steps(100, 8, 2, epochs=3, max_steps=0) == (6, 18)
+    assert plan_steps(100, 8, 2, epochs=3, max_steps=10) == (6, 10)
+    with pytest.raises(ValueError, match="too few"):
+        plan_steps(3, 8, 2, epochs=1, max_steps=0)

@@ -293,6 +293,21 @@ class ResumableSampler(Sampler):
         return math.ceil(self.n / self.world) - self.skip
 
 
+def plan_steps(num_items: int, batch_size: int, batches_per_step: int, epochs: int, max_steps: int,
+               what: str = "examples") -> tuple[int, int]:
+    """(steps per epoch, total steps) when each rank takes ``batch_size`` items per batch from its
+    ResumableSampler share and one optimizer step consumes ``batches_per_step`` batches.
+
+    Steps 1-3 all count this way, and step 3 needs the total before its engines (schedulers) exist."""
+    per_rank = math.ceil(num_items / dist.world_size())
+    steps_per_epoch = math.ceil(per_rank / batch_size) // batches_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{num_items} {what} are too few for one optimizer step (batch {batch_size} x "
+                         f"{batches_per_step} batches per step x {dist.world_size()} ranks)")
+    total = steps_per_epoch * epochs
+    return steps_per_epoch, min(total, max_steps) if max_steps else total
+
+
 def make_loader(items: list[dict], batch_size: int, sampler: Sampler, collate_fn) -> DataLoader:
     """A DataLoader that draws nothing from the global RNG (its own generator), so restoring the RNG state
     on resume reproduces the uninterrupted run's dropout and sampling exactly."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader
+from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.loading import position_ids_from_mask, stop_token_ids, token_values
 from marlhf.rlhf import macro
 from marlhf.rlhf.engine import RLHFEngine, _gathered, update_ema
@@ -255,13 +255,8 @@ class MAPPOTrainer:
         bs = a.per_device_generation_batch_size
         sampler = ResumableSampler(len(prompts), a.seed)
         loader = make_loader(prompts, bs, sampler, PromptCollator(self.pad_id))
-        steps_per_epoch = len(loader) // a.generation_batches
-        if steps_per_epoch == 0:
-            raise ValueError(f"{len(prompts)} prompts are too few for one PPO step (generation batch {bs} x "
-                             f"{a.generation_batches} batches x {dist.world_size()} ranks)")
-        total = steps_per_epoch * a.num_train_epochs
-        if a.max_steps:
-            total = min(total, a.max_steps)
+        steps_per_epoch, total = plan_steps(len(prompts), bs, a.generation_batches, a.num_train_epochs,
+                                            a.max_steps, what="prompts")
         ptx = self._ptx_iterator(ptx_items)
         ckpt_root = Path(a.output_dir) / "checkpoints"
         tracker = Tracker(a.output_dir, a.tensorboard_path, a.enable_tensorboard, a.print_loss)

@@ -5,8 +5,8 @@
         --response " a summary" --response " another summary"
     python rw_eval.py --model_name_or_path out/rm --input pairs.jsonl --output scores.jsonl
 
-An input file is JSON lines with `prompt` and either `response`, or `chosen` and `rejected` (then the pair
-accuracy is reported too). Responses get the end-of-conversation token appended, as in training.
+An input file (json, jsonl or parquet) has rows with `prompt` and either `response`, or `chosen` and
+`rejected` (then the pair accuracy is reported too). Responses get the end-of-conversation token appended, as in training.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.records import DataError, require_text
 from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
 
@@ -51,19 +53,15 @@ class Scorer:
 
 
 def read_rows(path: str) -> list[dict]:
+    """Rows of a json/jsonl/parquet file, each checked for prompt + response or prompt + chosen + rejected."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(path, n, "<line>", f"invalid JSON ({err.msg})") from err
-            require_text(row, "prompt", path, n)
-            for field in ("response",) if "response" in row else ("chosen", "rejected"):
-                require_text(row, field, path, n)
-            rows.append(row)
+    for file, n, row in iter_file_rows(Path(path)):
+        if isinstance(row, DataError):
+            raise row
+        require_text(row, "prompt", file, n)
+        for field in ("response",) if "response" in row else ("chosen", "rejected"):
+            require_text(row, field, file, n)
+        rows.append(row)
     return rows
 
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from marlhf.config import RLHFArgs, parse_args
-from marlhf.data.pipeline import build_phase_data
+from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.models.loading import load_tokenizer
 from marlhf.rlhf.engine import build_rlhf_engine
 from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
@@ -28,10 +28,8 @@ def main(argv=None):
     # 1. tokenizer (left padding for generation) and the RLHF share of the prompts
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.end_of_conversation_token, padding_side="left")
     data = build_phase_data(args, tokenizer, phase=3)
-    prompts_per_step = args.per_device_generation_batch_size * args.generation_batches * dist.world_size()
-    total_steps = max(1, len(data.train) // prompts_per_step) * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    _, total_steps = plan_steps(len(data.train), args.per_device_generation_batch_size, args.generation_batches,
+                                args.num_train_epochs, args.max_steps, what="prompts")
     # 2. actor / reference / critic / reward (+ EMA) engines
     rlhf = build_rlhf_engine(args, tokenizer, total_steps)
     gold = gold_scorer_for(args.data_path)
