@@ -6,7 +6,8 @@
     python rw_eval.py --model_name_or_path out/rm --input pairs.jsonl --output scores.jsonl
 
 An input file (json, jsonl or parquet) has rows with `prompt` and either `response`, or `chosen` and
-`rejected` (then the pair accuracy is reported too). Responses get the end-of-conversation token appended, as in training.
+`rejected` (then the pair accuracy is reported too). Responses get the end-of-conversation token
+appended, as in training.
 """
 
 from __future__ import annotations
