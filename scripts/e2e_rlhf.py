@@ -47,8 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--zero_stage", default=None, help="ZeRO stage passed to every step's script.")
     p.add_argument("--termination_condition", default=None, help="Step-3 macro-action rule (default: script's).")
     p.add_argument("--ngram", default=None, help="Step-3 n of the fixed rule (1 = vanilla PPO).")
-    p.add_argument("--extra_args", nargs="*", default=None,
-                   help="Extra flags for every step, e.g. --extra_args=--max_steps=5 (use '=' forms).")
+    p.add_argument("--extra_args", action="append", default=[],
+                   help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms).")
     return p.parse_args(argv)
 
 

@@ -27,6 +27,7 @@ STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning
 STAGE_ARGS: dict[int, type[BaseArgs]] = {1: SFTArgs, 2: RewardArgs, 3: RLHFArgs}
 MULTI_NODE = TRAINING / "multi_node" / "run_gemma_7b_2nodes.sh"
 HOSTFILE_EXAMPLE = TRAINING / "multi_node" / "hostfile.example"
+COMMON = TRAINING / "launch_common.sh"  # sourced by every script: the shared launch machinery
 GPUS_PER_NODE = 8  # the scripts' assumption for the GPU sizes (Table 5's batches are global)
 
 STEP_SCRIPTS = sorted(TRAINING.glob("step*/training_scripts/*/*.sh"))
@@ -203,6 +204,38 @@ def test_machine_overrides(path, tmp_path):
     assert out.launcher_value("--num_gpus") == "2"
     assert "--no_ssh_check" in out.launcher
     assert "fake deepspeed" in (tmp_path / "logs" / "x.log").read_text()
+
+
+def test_common_file_is_clean_sourced_bash():
+    assert subprocess.run(["bash", "-n", str(COMMON)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck") is not None:
+        proc = subprocess.run(["shellcheck", str(COMMON)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout
+    for path in STEP_SCRIPTS:  # each script either sources it or delegates to its run_tiny.sh sibling
+        text = path.read_text()
+        assert "/../../../launch_common.sh" in text or "/run_tiny.sh" in text, path
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_script_knobs_are_not_environment_overrides(step, tmp_path):
+    """What a size script sets (DTYPE, OFFLOAD, LR, ...) cannot be changed by a stray exported variable."""
+    knobs = ["DTYPE", "OFFLOAD", "GRADIENT_CHECKPOINTING", "EOS_TOKEN", "WARMUP_RATIO", "MAX_EVAL_SAMPLES",
+             "MAX_STEPS", "DATA_SPLIT", "DATASET", "PROMPT_LEN", "ANSWER_LEN", "OUTPUT", "EPOCHS",
+             "GLOBAL_BATCH", "LR", "PER_DEVICE", "ZERO_STAGE", "PPO_BATCH", "ACTOR_LR", "CRITIC_LR",
+             "WARMUP_STEPS", "TRAIN_PER_DEVICE", "TEMPERATURE", "TOP_K", "PRINT_INTERVAL", "GRAD_ACCUM",
+             "GEN_PER_DEVICE", "WORLD", "FLAGS", "DEVICE", "ACTOR_ZERO_STAGE", "CRITIC_ZERO_STAGE"]
+    for rel in ("gemma/run_7b.sh", "tiny/run_tiny.sh"):
+        _, clean = launch_and_parse(script(step, rel), tmp_path)
+        _, noisy = launch_and_parse(script(step, rel), tmp_path, **dict.fromkeys(knobs, "1"))
+        assert noisy == clean, rel
+
+
+def test_scripts_run_from_any_cwd_by_relative_path(tmp_path):
+    # the common file is found next to the script, not the caller: a relative path from elsewhere works
+    for path in (script(1, "tiny/run_tiny_2ranks.sh"), script(3, "gemma/run_2b.sh"), MULTI_NODE):
+        rel = Path(os.path.relpath(path, tmp_path))
+        out = run(rel, tmp_path, str(tmp_path / "out"), **default_env(path))
+        assert out.returncode == 0 and out.main == TRAINING / STEP_DIRS[step_of(path)] / "main.py", out.stderr
 
 
 def test_every_family_and_size_exists():

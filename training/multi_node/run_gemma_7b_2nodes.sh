@@ -30,14 +30,14 @@
 # NODE_RANK, MASTER_ADDR, MASTER_PORT (default 29500), and everything run_7b.sh takes (TASK, MODEL_PATH,
 # DATA_PATH, NUM_GPUS, PER_DEVICE_BATCH, LAUNCHER_ARGS, EXTRA_ARGS, ...).
 set -euo pipefail
-die() { echo "error: $*" >&2; exit 2; }
-
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=SCRIPTDIR/../launch_common.sh
+source "$HERE/../launch_common.sh"  # die, hostfile_hosts
 STEP1_7B="$HERE/../step1_supervised_finetuning/training_scripts/gemma/run_7b.sh"
 
 HOSTFILE=${HOSTFILE:-$HERE/hostfile}
 [[ -f "$HOSTFILE" ]] || die "no hostfile $HOSTFILE: copy hostfile.example there (your nodes) or set HOSTFILE"
-NUM_NODES=${NUM_NODES:-$(grep -cE '^[[:space:]]*[^#[:space:]]' "$HOSTFILE" || true)}
+NUM_NODES=${NUM_NODES:-$(hostfile_hosts "$HOSTFILE")}
 (( NUM_NODES >= 2 )) || die "$HOSTFILE lists $NUM_NODES host(s); a multi-node run needs at least 2"
 export HOSTFILE NUM_NODES
 

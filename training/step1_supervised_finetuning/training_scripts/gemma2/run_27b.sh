@@ -6,83 +6,30 @@
 # Environment overrides:
 #   TASK              tldr | hh | webgpt (default tldr): the dataset (Table 5 has one 27B value per row)
 #   MODEL_PATH        base model (default google/gemma-2-27b)
-#   DATA_PATH         --data_path value(s), space-separated (default: the task's hub dataset; a local copy
-#                     is NAME:PATH, e.g. openai/summarize_from_feedback:/data/summarize)
-#   DATA_OUTPUT_PATH  tokenized-data cache (default /tmp/data_files)
-#   NUM_GPUS          GPUs per node (default 8)     NUM_NODES  nodes (default 1, or the hosts in HOSTFILE)
-#   HOSTFILE          DeepSpeed hostfile of a multi-node run     MASTER_PORT  (default 29500)
 #   PER_DEVICE_BATCH  micro-batch per GPU (default 2); gradient accumulation keeps the global batch
-#   BAD_ROWS          skip (default: over-long prompts are dropped and counted in the log) | error
-#   LAUNCHER_ARGS     extra `deepspeed` launcher options, e.g. "--no_ssh --node_rank 1 --master_addr A"
-#   EXTRA_ARGS        appended verbatim to main.py's flags (later flags win), e.g. "--max_steps 10"
-#   LOG_FILE          where the output is also written (default $OUTPUT/training.log)
+#   and those of every script (DATA_PATH, NUM_GPUS, HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
+#   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
-die() { echo "error: $*" >&2; exit 2; }
+# shellcheck source=SCRIPTDIR/../../../launch_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
-TASK=${TASK:-tldr}
+text_task "Gemma-2 27B SFT"
 OUTPUT=${1:-./output/gemma2-27b/$TASK/step1}
 ZERO_STAGE=${2:-3}
 MODEL_PATH=${MODEL_PATH:-google/gemma-2-27b}
+EOS_TOKEN="<eos>"
 
 # Table 5, Gemma-2 27B, SFT: batch 128, 3 epochs, lr 5e-6, cosine schedule, warmup ratio 0.1.
 # Prompts <= 512 and answers <= 512 tokens: sequences up to 1024.
-case "$TASK" in
-    tldr)   DATASET=openai/summarize_from_feedback ;;
-    hh)     DATASET=Dahoas/full-hh-rlhf ;;
-    webgpt) DATASET=openai/webgpt_comparisons ;;
-    *) die "TASK must be tldr, hh or webgpt for Gemma-2 27B SFT (got '$TASK')" ;;
-esac
 GLOBAL_BATCH=128
 EPOCHS=3
 LR=5e-6
-read -r -a DATA_PATH <<< "${DATA_PATH:-$DATASET}"
 
 # Global batch = per-device batch x gradient accumulation x GPUs.  On one node of 8 GPUs:
 # 128 = 2 x 8 x 8; on two nodes (16 GPUs) 128 = 2 x 4 x 16.
-NUM_GPUS=${NUM_GPUS:-8}
-HOSTFILE=${HOSTFILE:-}
-if [[ -n "$HOSTFILE" ]]; then
-    [[ -f "$HOSTFILE" ]] || die "HOSTFILE '$HOSTFILE' not found"
-    NUM_NODES=${NUM_NODES:-$(grep -cE '^[[:space:]]*[^#[:space:]]' "$HOSTFILE" || true)}
-fi
-NUM_NODES=${NUM_NODES:-1}
 PER_DEVICE=${PER_DEVICE_BATCH:-2}
-WORLD=$((NUM_GPUS * NUM_NODES))
-(( WORLD > 0 && GLOBAL_BATCH % (PER_DEVICE * WORLD) == 0 )) \
-    || die "global batch $GLOBAL_BATCH is not a multiple of PER_DEVICE_BATCH $PER_DEVICE x $WORLD GPUs"
-GRAD_ACCUM=$((GLOBAL_BATCH / (PER_DEVICE * WORLD)))
-
-LAUNCH=(deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}")
-if [[ -n "$HOSTFILE" ]]; then LAUNCH+=(--hostfile "$HOSTFILE" --num_nodes "$NUM_NODES"); fi
-read -r -a LAUNCHER_EXTRA <<< "${LAUNCHER_ARGS:-}"
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
-MAIN="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/main.py"
 
 # 27B: ZeRO-3 with the optimizer state (and parameters) offloaded to CPU, plus gradient checkpointing.
-LOG_FILE=${LOG_FILE:-$OUTPUT/training.log}
-mkdir -p "$OUTPUT" "$(dirname "$LOG_FILE")"
-"${LAUNCH[@]}" "${LAUNCHER_EXTRA[@]}" "$MAIN" \
-    --model_name_or_path "$MODEL_PATH" \
-    --data_path "${DATA_PATH[@]}" \
-    --data_split 2,4,4 \
-    --data_output_path "${DATA_OUTPUT_PATH:-/tmp/data_files}" \
-    --bad_rows "${BAD_ROWS:-skip}" \
-    --end_of_conversation_token "<eos>" \
-    --num_padding_at_beginning 0 \
-    --max_seq_len 1024 \
-    --per_device_train_batch_size "$PER_DEVICE" \
-    --per_device_eval_batch_size "$PER_DEVICE" \
-    --gradient_accumulation_steps "$GRAD_ACCUM" \
-    --learning_rate "$LR" \
-    --weight_decay 0.0 \
-    --num_train_epochs "$EPOCHS" \
-    --lr_scheduler_type cosine \
-    --warmup_ratio 0.1 \
-    --zero_stage "$ZERO_STAGE" \
-    --offload \
-    --gradient_checkpointing \
-    --dtype bf16 \
-    --deepspeed \
-    --output_dir "$OUTPUT" \
-    "${EXTRA[@]}" \
-    2>&1 | tee "$LOG_FILE"
+GRADIENT_CHECKPOINTING=1
+OFFLOAD=1
+run_step 1

@@ -13,29 +13,21 @@
 #   TERMINATION        macro-action rule: fixed (default) | randomized | ppl | parsing | word
 #   NGRAM              n of the fixed rule (default 5; 1 = vanilla PPO, inf = one action per answer)
 #   KL_CTL             KL coefficient (default: Table 5)
-#   DATA_PATH          --data_path value(s), space-separated (default: the task's hub dataset; a local copy
-#                      is NAME:PATH, e.g. openai/summarize_from_feedback:/data/summarize)
-#   DATA_OUTPUT_PATH   tokenized-data cache (default /tmp/data_files)
-#   NUM_GPUS           GPUs per node (default 8)     NUM_NODES  nodes (default 1, or the hosts in HOSTFILE)
-#   HOSTFILE           DeepSpeed hostfile of a multi-node run     MASTER_PORT  (default 29500)
 #   PER_DEVICE_TRAIN_BATCH  experiences per GPU per PPO micro-batch (default 8)
 #   GENERATION_BATCHES      prompt batches generated per PPO step (default 1); the PPO batch stays 256
-#   BAD_ROWS           skip (default: over-long prompts are dropped and counted in the log) | error
-#   LAUNCHER_ARGS      extra `deepspeed` launcher options, e.g. "--no_ssh --node_rank 1 --master_addr A"
-#   EXTRA_ARGS         appended verbatim to main.py's flags (later flags win), e.g. "--max_steps 10";
-#                      on GPUs "--enable_hybrid_engine" speeds up generation
-#   LOG_FILE           where the output is also written (default $OUTPUT/training.log)
+#   and those of every script (DATA_PATH, NUM_GPUS, HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
+#   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
-die() { echo "error: $*" >&2; exit 2; }
+# shellcheck source=SCRIPTDIR/../../../launch_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
-TASK=${TASK:-tldr}
+text_task "Llama-3.2 3B PPO"
 OUTPUT=${1:-./output/llama3.2-3b/$TASK/step3}
 ACTOR_ZERO_STAGE=${2:-2}
 CRITIC_ZERO_STAGE=${3:-${2:-3}}
 ACTOR_MODEL_PATH=${ACTOR_MODEL_PATH:-./output/llama3.2-3b/$TASK/step1}
 CRITIC_MODEL_PATH=${CRITIC_MODEL_PATH:-./output/llama3.2-3b/$TASK/step2}
-TERMINATION=${TERMINATION:-fixed}
-NGRAM=${NGRAM:-5}
+EOS_TOKEN="<|end_of_text|>"
 
 # C.4: actor lr 5e-6, critic lr 1e-5, KL 0.1, TL;DR with Gemma 2B's data split.  The rest follows Table 5's
 # Gemma 2B column: batch 256; 4 epochs for WebGPT, 1 for the others; 1 PPO epoch per rollout; clip 0.2;
@@ -43,90 +35,17 @@ NGRAM=${NGRAM:-5}
 # temperature 0.8, top-p 1.0, top-k 50.
 # One optimizer step per 256 experiences makes a TL;DR epoch ~145 steps, fewer than the 200 warmup steps;
 # EXTRA_ARGS="--num_warmup_steps 0 --warmup_ratio 0.1" switches to a ratio instead.
-case "$TASK" in
-    tldr)   DATASET=openai/summarize_from_feedback; EPOCHS=1 ;;
-    hh)     DATASET=Dahoas/full-hh-rlhf;            EPOCHS=1 ;;
-    webgpt) DATASET=openai/webgpt_comparisons;      EPOCHS=4 ;;
-    *) die "TASK must be tldr, hh or webgpt for Llama-3.2 3B PPO (got '$TASK')" ;;
-esac
 PPO_BATCH=256
+EPOCHS=$(by_task tldr=1 hh=1 webgpt=4)
 ACTOR_LR=5e-6
 CRITIC_LR=1e-5
 KL_CTL=${KL_CTL:-0.1}
 WARMUP_STEPS=200
-read -r -a DATA_PATH <<< "${DATA_PATH:-$DATASET}"
 
 # PPO batch = prompts per GPU x generation batches x GPUs = 32 x 1 x 8 on one node of 8 GPUs, and every
 # GPU trains on its 32 experiences in micro-batches of 8 with 4 accumulation steps: 8 x 4 x 8 = 256, so
 # actor and critic take one optimizer step per PPO batch.
-NUM_GPUS=${NUM_GPUS:-8}
-HOSTFILE=${HOSTFILE:-}
-if [[ -n "$HOSTFILE" ]]; then
-    [[ -f "$HOSTFILE" ]] || die "HOSTFILE '$HOSTFILE' not found"
-    NUM_NODES=${NUM_NODES:-$(grep -cE '^[[:space:]]*[^#[:space:]]' "$HOSTFILE" || true)}
-fi
-NUM_NODES=${NUM_NODES:-1}
-WORLD=$((NUM_GPUS * NUM_NODES))
-GEN_BATCHES=${GENERATION_BATCHES:-1}
 TRAIN_PER_DEVICE=${PER_DEVICE_TRAIN_BATCH:-8}
-(( WORLD > 0 && PPO_BATCH % (WORLD * GEN_BATCHES) == 0 )) \
-    || die "PPO batch $PPO_BATCH is not a multiple of $WORLD GPUs x GENERATION_BATCHES $GEN_BATCHES"
-GEN_PER_DEVICE=$((PPO_BATCH / (WORLD * GEN_BATCHES)))
-(( GEN_PER_DEVICE % TRAIN_PER_DEVICE == 0 )) \
-    || die "$GEN_PER_DEVICE prompts per GPU: not a multiple of PER_DEVICE_TRAIN_BATCH $TRAIN_PER_DEVICE"
-GRAD_ACCUM=$((GEN_PER_DEVICE * GEN_BATCHES / TRAIN_PER_DEVICE))
-
-LAUNCH=(deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}")
-if [[ -n "$HOSTFILE" ]]; then LAUNCH+=(--hostfile "$HOSTFILE" --num_nodes "$NUM_NODES"); fi
-read -r -a LAUNCHER_EXTRA <<< "${LAUNCHER_ARGS:-}"
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
-MAIN="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/main.py"
 
 # 3B: actor (and reference) under ZeRO-2; critic and reward model (two copies of the RM) under ZeRO-3.
-LOG_FILE=${LOG_FILE:-$OUTPUT/training.log}
-mkdir -p "$OUTPUT" "$(dirname "$LOG_FILE")"
-"${LAUNCH[@]}" "${LAUNCHER_EXTRA[@]}" "$MAIN" \
-    --actor_model_name_or_path "$ACTOR_MODEL_PATH" \
-    --critic_model_name_or_path "$CRITIC_MODEL_PATH" \
-    --data_path "${DATA_PATH[@]}" \
-    --data_split 2,4,4 \
-    --data_output_path "${DATA_OUTPUT_PATH:-/tmp/data_files}" \
-    --bad_rows "${BAD_ROWS:-skip}" \
-    --end_of_conversation_token "<|end_of_text|>" \
-    --num_padding_at_beginning 0 \
-    --max_prompt_seq_len 512 \
-    --max_answer_seq_len 512 \
-    --per_device_generation_batch_size "$GEN_PER_DEVICE" \
-    --generation_batches "$GEN_BATCHES" \
-    --per_device_training_batch_size "$TRAIN_PER_DEVICE" \
-    --gradient_accumulation_steps "$GRAD_ACCUM" \
-    --ppo_epochs 1 \
-    --num_train_epochs "$EPOCHS" \
-    --actor_learning_rate "$ACTOR_LR" \
-    --critic_learning_rate "$CRITIC_LR" \
-    --actor_weight_decay 0.0 \
-    --critic_weight_decay 0.0 \
-    --lr_scheduler_type cosine \
-    --num_warmup_steps "$WARMUP_STEPS" \
-    --kl_ctl "$KL_CTL" \
-    --cliprange 0.2 \
-    --cliprange_value 0.2 \
-    --gamma 1.0 \
-    --lam 0.95 \
-    --temperature 0.8 \
-    --top_k 50 \
-    --top_p 1.0 \
-    --termination_condition "$TERMINATION" \
-    --ngram "$NGRAM" \
-    --value_function equal \
-    --actor_zero_stage "$ACTOR_ZERO_STAGE" \
-    --critic_zero_stage "$CRITIC_ZERO_STAGE" \
-    --actor_dropout 0.0 \
-    --critic_dropout 0.0 \
-    --dtype bf16 \
-    --print_answers \
-    --print_answers_interval 50 \
-    --deepspeed \
-    --output_dir "$OUTPUT" \
-    "${EXTRA[@]}" \
-    2>&1 | tee "$LOG_FILE"
+run_step 3

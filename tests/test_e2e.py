@@ -1,0 +1,33 @@
+"""The README's main job: scripts/e2e_rlhf.py runs the tiny launch scripts of steps 1 → 2 → 3 in order,
+each step's output feeding the next (here with a few steps each; the quick start runs them in full)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+
+@pytest.mark.slow
+def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
+    env = {**os.environ, "DATA_OUTPUT_PATH": str(tmp_path / "data"), "MASTER_PORT": "29651"}
+    proc = subprocess.run([sys.executable, "scripts/e2e_rlhf.py", "--output_dir", str(tmp_path / "run"),
+                           "--extra_args=--max_steps=3", "--extra_args=--max_eval_samples=8",
+                           "--extra_args=--disable_progress_bar"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert set(summary["seconds"]) == {"step1", "step2", "step3"}
+    assert summary["step1_final_perplexity"] < 2000  # below the untrained model's ~vocabulary size
+    assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
+    assert summary["steps"] == 3
+    for policy in ("initial_policy", "final_policy"):
+        assert {"rm_score", "gold_score", "response_len"} <= summary[policy].keys()
+    # step 3 started from step 1's model and step 2's reward model
+    args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
+    assert args3["actor_model_name_or_path"].endswith("run/step1")
+    assert args3["critic_model_name_or_path"].endswith("run/step2")
+    assert (tmp_path / "run/step3/actor/model.safetensors").exists()
+    assert "SFT policy" in proc.stdout and "final policy" in proc.stdout

@@ -1,0 +1,244 @@
+# shellcheck shell=bash
+# What every launch script under training/step*/training_scripts and training/multi_node shares, written
+# once: the task -> dataset table, world size and gradient-accumulation arithmetic, the flags each step
+# hands to its main.py, and the `deepspeed` launch with EXTRA_ARGS and the log.  Sourced, never run:
+#
+#   source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
+#   text_task "Gemma 7B SFT"              # or code_task / tiny_task: TASK, DATASET, split, lengths
+#   OUTPUT=${1:-...}; LR=2e-5; ...        # that size's hyper-parameters (Table 5, MA-RLHF Appendix B.2)
+#   run_step 1                            # 1 = SFT, 2 = reward model, 3 = MA-PPO
+#
+# The environment variables a user sets are listed in
+# training/step1_supervised_finetuning/training_scripts/README.md ("Environment variables").
+# A bad setting stops the script before anything is launched, with status 2 (the unavailable APPS reward:
+# 3); a launch exits with deepspeed's status.
+
+TRAINING_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+STEP_DIRS=([1]=step1_supervised_finetuning [2]=step2_reward_model_finetuning [3]=step3_rlhf_finetuning)
+
+die() { echo "error: $*" >&2; exit 2; }
+
+# ----------------------------------------------------------------------------- what a size script sets
+# Required, set by every size script before run_step:
+#   steps 1-2  OUTPUT, ZERO_STAGE, MODEL_PATH, GLOBAL_BATCH, EPOCHS, LR, PER_DEVICE (micro-batch per device)
+#   step 3     OUTPUT, ACTOR_ZERO_STAGE, CRITIC_ZERO_STAGE, ACTOR_MODEL_PATH, CRITIC_MODEL_PATH, PPO_BATCH,
+#              EPOCHS, ACTOR_LR, CRITIC_LR, KL_CTL, WARMUP_STEPS, TRAIN_PER_DEVICE (experiences per device
+#              per PPO micro-batch)
+# Those that are not user overrides are unset here, so that a script forgetting one fails by name under
+# `set -u` instead of silently taking a value from the caller's environment.
+unset -v OUTPUT EPOCHS ZERO_STAGE GLOBAL_BATCH LR PER_DEVICE ACTOR_ZERO_STAGE CRITIC_ZERO_STAGE PPO_BATCH \
+    ACTOR_LR CRITIC_LR WARMUP_STEPS TRAIN_PER_DEVICE DATASET DATA_SPLIT PROMPT_LEN ANSWER_LEN
+# Optional, with the value most scripts use.  Assigned here rather than read from the environment: only the
+# documented variables are overrides, so a stray exported DTYPE or OFFLOAD cannot change a run.
+EOS_TOKEN=""               # a hub model's end-of-text token; "" (tiny) keeps main.py's token and strict rows
+GRADIENT_CHECKPOINTING=0   # 1 from 7B
+OFFLOAD=0                  # 1 at 27B: ZeRO-3 CPU offload (step 3: of the frozen reference model too)
+DTYPE=bf16
+WARMUP_RATIO=0.1           # steps 1-2
+MAX_EVAL_SAMPLES=""        # "" = main.py's default
+MAX_STEPS=""               # step 3; "" = no cap
+TEMPERATURE=0.8            # step 3 sampling: Table 5's text tasks (top-p is 1.0 everywhere)
+TOP_K=50
+PRINT_INTERVAL=50          # step 3: PPO steps between printed sample answers
+PPO_TASK_ARGS=()           # step 3: the task's own flags (code: see code_reward)
+DEVICE=GPU                 # what one rank is called in error messages
+
+# -------------------------------------------------------------------------------------------- the tasks
+# text_task LABEL: TASK (default tldr) must be one of the paper's text tasks; LABEL names the script in the
+# error.  B.2: the data is split 20% SFT / 40% reward model / 40% PPO; prompts <= 512, answers <= 512 tokens.
+text_task() {
+    TASK=${TASK:-tldr}
+    case "$TASK" in
+        tldr)   DATASET=openai/summarize_from_feedback ;;
+        hh)     DATASET=Dahoas/full-hh-rlhf ;;
+        webgpt) DATASET=openai/webgpt_comparisons ;;
+        *) die "TASK must be tldr, hh or webgpt for $1 (got '$TASK')" ;;
+    esac
+    DATA_SPLIT=2,4,4 PROMPT_LEN=512 ANSWER_LEN=512
+}
+
+# code_task: APPS, the CodeGemma scripts' only task.  B.2: no preference pairs, hence no step 2 and a
+# 20% SFT / 80% PPO split (the same in steps 1 and 3, so the shares stay disjoint); prompts <= 600 tokens.
+code_task() {
+    TASK=${TASK:-apps}
+    [[ "$TASK" == apps ]] || die "TASK must be apps for CodeGemma (got '$TASK')"
+    DATASET=codeparrot/apps DATA_SPLIT=2,0,8 PROMPT_LEN=600 ANSWER_LEN=512
+}
+
+# tiny_task: the embedded synthetic task (a miniature TL;DR) of the tiny scripts, sized for 2 CPU cores:
+# prompts <= 192 and answers <= 64 tokens, fp32, every "GPU" a CPU rank over gloo.
+tiny_task() {
+    TASK=${TASK:-synthetic}
+    [[ "$TASK" == synthetic ]] \
+        || die "tiny scripts run the synthetic task, not TASK=$TASK; set DATA_PATH instead"
+    DATASET=synthetic DATA_SPLIT=2,4,4 PROMPT_LEN=192 ANSWER_LEN=64 DTYPE=fp32 DEVICE=rank
+}
+
+# by_task tldr=V1 hh=V2 webgpt=V3: the value listed for $TASK, for Table 5 rows that differ by task.
+by_task() {
+    local pair
+    for pair in "$@"; do
+        if [[ "${pair%%=*}" == "$TASK" ]]; then echo "${pair#*=}"; return; fi
+    done
+    die "no value for TASK=$TASK among: $*"
+}
+
+# code_reward: the APPS reward of B.2 is the generated program's pass rate on the problem's tests (a
+# compiler signal).  It arrives with the evaluation/code-task work; until then REWARD_SOURCE=reward_model
+# with REWARD_MODEL_PATH runs the configuration, and the default stops with status 3 (not 2: nothing is
+# wrong with the call, the feature is missing).  Sets PPO_TASK_ARGS.
+code_reward() {
+    REWARD_SOURCE=${REWARD_SOURCE:-program_tests}
+    case "$REWARD_SOURCE" in
+        program_tests)
+            cat >&2 <<'MSG'
+error: the APPS compiler-signal reward (pass@1 of the generated program on the problem's
+  tests, paper B.2) is not implemented yet: it arrives with the evaluation/code-task work.
+  To run this configuration now: REWARD_SOURCE=reward_model REWARD_MODEL_PATH=<code RM>.
+MSG
+            exit 3 ;;
+        reward_model)
+            REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-}
+            [[ -n "$REWARD_MODEL_PATH" ]] || die "REWARD_SOURCE=reward_model needs REWARD_MODEL_PATH" ;;
+        *) die "REWARD_SOURCE must be program_tests or reward_model (got '$REWARD_SOURCE')" ;;
+    esac
+    PPO_TASK_ARGS=(--response_kind code
+                   --reward_source reward_model --reward_model_name_or_path "$REWARD_MODEL_PATH")
+}
+
+# ----------------------------------------------------------------------------- world size and batches
+# hostfile_hosts FILE: the hosts of a DeepSpeed hostfile (its lines that are neither blank nor comments).
+hostfile_hosts() { grep -cE '^[[:space:]]*[^#[:space:]]' "$1" || true; }
+
+# resolve_world: WORLD = NUM_GPUS (per node, default 8) x nodes (NUM_NODES, else the hosts in HOSTFILE,
+# else 1).
+resolve_world() {
+    NUM_GPUS=${NUM_GPUS:-8}
+    HOSTFILE=${HOSTFILE:-}
+    if [[ -n "$HOSTFILE" ]]; then
+        [[ -f "$HOSTFILE" ]] || die "HOSTFILE '$HOSTFILE' not found"
+        NUM_NODES=${NUM_NODES:-$(hostfile_hosts "$HOSTFILE")}
+    fi
+    NUM_NODES=${NUM_NODES:-1}
+    WORLD=$((NUM_GPUS * NUM_NODES))
+}
+
+# grad_accum GLOBAL PER_DEVICE: sets GRAD_ACCUM so that GLOBAL = PER_DEVICE x GRAD_ACCUM x WORLD.  Table 5's
+# batches are global: another GPU count changes the accumulation, never the batch (or stops the script).
+grad_accum() {
+    local batch=$1 micro=$2
+    (( WORLD > 0 && batch % (micro * WORLD) == 0 )) \
+        || die "global batch $batch is not a multiple of PER_DEVICE_BATCH $micro x $WORLD ${DEVICE}s"
+    GRAD_ACCUM=$((batch / (micro * WORLD)))
+}
+
+# ppo_batches PPO_BATCH GEN_BATCHES TRAIN_PER_DEVICE: sets GEN_PER_DEVICE, the prompts each device generates
+# per batch, and GRAD_ACCUM, so that actor and critic take one optimizer step per PPO batch:
+#   PPO_BATCH = GEN_PER_DEVICE x GEN_BATCHES x WORLD = TRAIN_PER_DEVICE x GRAD_ACCUM x WORLD.
+ppo_batches() {
+    local batch=$1 chunks=$2 micro=$3
+    (( WORLD > 0 && batch % (WORLD * chunks) == 0 )) \
+        || die "PPO batch $batch is not a multiple of $WORLD ${DEVICE}s x GENERATION_BATCHES $chunks"
+    GEN_PER_DEVICE=$((batch / (WORLD * chunks)))
+    (( GEN_PER_DEVICE % micro == 0 )) \
+        || die "$GEN_PER_DEVICE prompts per $DEVICE: not a multiple of PER_DEVICE_TRAIN_BATCH $micro"
+    GRAD_ACCUM=$((GEN_PER_DEVICE * chunks / micro))
+}
+
+# --------------------------------------------------------------------------------------------- the flags
+# They build FLAGS, main.py's flags in the order the scripts always passed them.
+
+# data_flags: the dataset(s) (DATA_PATH, space-separated, default the task's), split and cache; hub models
+# also skip over-long rows (BAD_ROWS, default skip: dropped and counted in the log) and end every answer
+# with their own end-of-text token.
+data_flags() {
+    local -a data_path
+    read -r -a data_path <<< "${DATA_PATH:-$DATASET}"
+    FLAGS+=(--data_path "${data_path[@]}" --data_split "$DATA_SPLIT"
+            --data_output_path "${DATA_OUTPUT_PATH:-/tmp/data_files}")
+    if [[ -n "$EOS_TOKEN" ]]; then
+        FLAGS+=(--bad_rows "${BAD_ROWS:-skip}" --end_of_conversation_token "$EOS_TOKEN")
+    fi
+    FLAGS+=(--num_padding_at_beginning 0)
+}
+
+# supervised_flags: steps 1 and 2 take the same flags (the RM's batch counts pairs); an empty MODEL_PATH
+# means main.py's embedded tiny model.
+supervised_flags() {
+    FLAGS=()
+    if [[ -n "$MODEL_PATH" ]]; then FLAGS+=(--model_name_or_path "$MODEL_PATH"); fi
+    data_flags
+    FLAGS+=(--max_seq_len $((PROMPT_LEN + ANSWER_LEN)))
+    if [[ -n "$MAX_EVAL_SAMPLES" ]]; then FLAGS+=(--max_eval_samples "$MAX_EVAL_SAMPLES"); fi
+    FLAGS+=(--per_device_train_batch_size "$PER_DEVICE" --per_device_eval_batch_size "$PER_DEVICE"
+            --gradient_accumulation_steps "$GRAD_ACCUM" --learning_rate "$LR" --weight_decay 0.0
+            --num_train_epochs "$EPOCHS" --lr_scheduler_type cosine --warmup_ratio "$WARMUP_RATIO"
+            --zero_stage "$ZERO_STAGE")
+    if (( OFFLOAD )); then FLAGS+=(--offload); fi
+    if (( GRADIENT_CHECKPOINTING )); then FLAGS+=(--gradient_checkpointing); fi
+    FLAGS+=(--dtype "$DTYPE" --deepspeed --output_dir "$OUTPUT")
+}
+
+# ppo_flags: step 3.  The values every size shares are Table 5's: 1 PPO epoch per rollout, clip 0.2 (policy
+# and value), gamma 1, GAE lambda 0.95, top-p 1.0, cosine schedule, no weight decay or dropout (dropout 0
+# keeps the PPO ratios exact).  MA-PPO over fixed 5-grams unless TERMINATION / NGRAM say otherwise
+# (section 3.2; NGRAM=1 is vanilla PPO).  An empty model path means the embedded tiny model.
+ppo_flags() {
+    FLAGS=()
+    if [[ -n "$ACTOR_MODEL_PATH" ]]; then FLAGS+=(--actor_model_name_or_path "$ACTOR_MODEL_PATH"); fi
+    if [[ -n "$CRITIC_MODEL_PATH" ]]; then FLAGS+=(--critic_model_name_or_path "$CRITIC_MODEL_PATH"); fi
+    data_flags
+    FLAGS+=(--max_prompt_seq_len "$PROMPT_LEN" --max_answer_seq_len "$ANSWER_LEN")
+    if [[ -n "$MAX_EVAL_SAMPLES" ]]; then FLAGS+=(--max_eval_samples "$MAX_EVAL_SAMPLES"); fi
+    FLAGS+=(--per_device_generation_batch_size "$GEN_PER_DEVICE" --generation_batches "$GEN_BATCHES"
+            --per_device_training_batch_size "$TRAIN_PER_DEVICE" --gradient_accumulation_steps "$GRAD_ACCUM"
+            --ppo_epochs 1 --num_train_epochs "$EPOCHS")
+    if [[ -n "$MAX_STEPS" ]]; then FLAGS+=(--max_steps "$MAX_STEPS"); fi
+    FLAGS+=(--actor_learning_rate "$ACTOR_LR" --critic_learning_rate "$CRITIC_LR"
+            --actor_weight_decay 0.0 --critic_weight_decay 0.0
+            --lr_scheduler_type cosine --num_warmup_steps "$WARMUP_STEPS"
+            --kl_ctl "$KL_CTL" --cliprange 0.2 --cliprange_value 0.2 --gamma 1.0 --lam 0.95
+            --temperature "$TEMPERATURE" --top_k "$TOP_K" --top_p 1.0
+            --termination_condition "${TERMINATION:-fixed}" --ngram "${NGRAM:-5}" --value_function equal
+            "${PPO_TASK_ARGS[@]}"
+            --actor_zero_stage "$ACTOR_ZERO_STAGE" --critic_zero_stage "$CRITIC_ZERO_STAGE")
+    if (( OFFLOAD )); then FLAGS+=(--offload --offload_reference_model); fi
+    if (( GRADIENT_CHECKPOINTING )); then
+        FLAGS+=(--actor_gradient_checkpointing --critic_gradient_checkpointing)
+    fi
+    FLAGS+=(--actor_dropout 0.0 --critic_dropout 0.0 --dtype "$DTYPE"
+            --print_answers --print_answers_interval "$PRINT_INTERVAL" --deepspeed --output_dir "$OUTPUT")
+}
+
+# ---------------------------------------------------------------------------------------------- launch
+# run_main MAIN_PY OUTPUT FLAG...: `deepspeed --num_gpus N --master_port P [--hostfile H --num_nodes M]
+# LAUNCHER_ARGS MAIN_PY FLAG... EXTRA_ARGS` (EXTRA_ARGS last, so its flags win), after resolve_world.  The
+# output goes to the terminal and LOG_FILE (default OUTPUT/training.log); with `set -o pipefail` in the
+# script, tee does not hide the launcher's exit status.
+run_main() {
+    local main=$1 out_dir=$2
+    shift 2
+    local -a launch=(deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}")
+    if [[ -n "$HOSTFILE" ]]; then launch+=(--hostfile "$HOSTFILE" --num_nodes "$NUM_NODES"); fi
+    local -a launcher_extra extra
+    read -r -a launcher_extra <<< "${LAUNCHER_ARGS:-}"
+    read -r -a extra <<< "${EXTRA_ARGS:-}"
+    LOG_FILE=${LOG_FILE:-$out_dir/training.log}
+    mkdir -p "$out_dir" "$(dirname "$LOG_FILE")"
+    "${launch[@]}" "${launcher_extra[@]}" "$main" "$@" "${extra[@]}" 2>&1 | tee "$LOG_FILE"
+}
+
+# run_step 1|2|3: the batch arithmetic, that step's flags from the size script's variables, and the launch
+# of training/step<k>_*/main.py.  GENERATION_BATCHES (step 3, default 1) splits a PPO batch's generation.
+run_step() {
+    resolve_world
+    case "$1" in
+        1|2) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
+             supervised_flags ;;
+        3)   GEN_BATCHES=${GENERATION_BATCHES:-1}
+             ppo_batches "$PPO_BATCH" "$GEN_BATCHES" "$TRAIN_PER_DEVICE"
+             ppo_flags ;;
+        *)   die "run_step: no step '$1'" ;;
+    esac
+    run_main "$TRAINING_DIR/${STEP_DIRS[$1]}/main.py" "$OUTPUT" "${FLAGS[@]}"
+}
