@@ -74,13 +74,13 @@ def test_n1_is_vanilla_ppo(nano, tmp_path):
 def test_resume_gives_the_same_weights(nano, tmp_path):
     main = load_main(STEP3)
     argv = lambda out: step3_argv(nano, out, "--max_steps", "3", "--save_steps", "1", "--keep_checkpoints", "5",
-                                  "--termination_condition", "randomized")
+                                  "--termination_condition", "randomized", "--enable_ema")
     main(argv(tmp_path / "full"))
     shutil.copytree(tmp_path / "full/checkpoints/step00000001", tmp_path / "stopped/checkpoints/step00000001")
     (tmp_path / "stopped/checkpoints/latest").write_text("step00000001")
     shutil.copy(tmp_path / "full/initial_policy.json", tmp_path / "stopped/initial_policy.json")
     main([*argv(tmp_path / "stopped"), "--resume"])
-    for part in ("actor", "critic"):
+    for part in ("actor", "critic", "actor_ema"):
         full = load_file(tmp_path / "full" / part / "model.safetensors")
         resumed = load_file(tmp_path / "stopped" / part / "model.safetensors")
         assert all(torch.equal(full[k], resumed[k]) for k in full), part
