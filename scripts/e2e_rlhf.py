@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     summary = summarize(root, seconds)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
-    print(f"\nwritten: {root / 'summary.json'}; models: {root / 'step1'}, {root / 'step2'}, {root / 'step3/actor'}")
+    models = [root / f"step{k}" for k in (1, 2) if k in seconds] + ([root / "step3/actor"] if 3 in seconds else [])
+    print(f"\nwritten: {root / 'summary.json'}; models: {', '.join(map(str, models))}")
     return 0
 
 
