@@ -45,8 +45,9 @@ class BaseArgs:
     max_eval_samples: int = opt(512, "Cap on evaluation examples (0 = no cap).")
     end_of_conversation_token: str = opt("<|endoftext|>", "Appended to every response; the token that ends an "
                                          "answer in step 3.")
-    num_padding_at_beginning: int = opt(1, "Padding tokens the tokenizer puts before the text (OPT: 1). Used "
-                                        "only where a score position must be found from token ids alone.")
+    num_padding_at_beginning: int = opt(1, "Padding tokens the tokenizer puts before the text (OPT: 1). Accepted "
+                                        "for DeepSpeed-Chat scripts; scores are read at the last position of the "
+                                        "attention mask, which is right whatever precedes the text.")
     # --- optimisation -------------------------------------------------------------------------------------
     num_train_epochs: int = opt(1, "Passes over the training data.")
     max_steps: int = opt(0, "Stop after this many optimizer steps (0 = run all epochs). Handy for smoke runs.")
@@ -161,7 +162,8 @@ class RLHFArgs(BaseArgs):
     unpin_actor_parameters: bool = opt(False, "Hybrid engine: unpin parameters (ZeRO-3).")
     enable_ema: bool = opt(False, "Keep an exponential moving average of the actor.")
     ema_decay: float = opt(0.992, "EMA decay.")
-    enable_mixed_precision_lora: bool = opt(False, "Keep LoRA weights in fp32 under bf16/fp16 (GPU feature).")
+    enable_mixed_precision_lora: bool = opt(False, "ZeRO-3 keeps the frozen actor weights quantized, LoRA weights "
+                                            "train in full precision (needs actor LoRA + ZeRO-3; GPU only).")
     actor_lora_dim: int = opt(0, "Actor LoRA rank (0 = --lora_dim).")
     actor_lora_module_name: str = opt("", "Actor LoRA modules (empty = --lora_module_name).")
     critic_lora_dim: int = opt(0, "Critic LoRA rank.")

@@ -87,9 +87,20 @@ def test_resume_gives_the_same_weights(nano, tmp_path):
     assert [r["step"] for r in train_rows(tmp_path / "stopped")] == [2, 3]
 
 
-def test_hybrid_engine_fails_clearly_on_cpu(nano, tmp_path):
-    with pytest.raises(RuntimeError, match="hybrid engine could not start on the 'cpu'.*not been implemented on CPU"):
-        load_main(STEP3)(step3_argv(nano, tmp_path, "--enable_hybrid_engine", "--max_steps", "1"))
+MP_LORA = ["--enable_mixed_precision_lora", "--actor_lora_dim", "4", "--actor_zero_stage", "3"]
+
+
+@pytest.mark.parametrize("flags", [["--enable_hybrid_engine"], MP_LORA])
+def test_gpu_only_features_fail_clearly_on_cpu(nano, tmp_path, flags):
+    """DeepSpeed itself refuses ("not been implemented on CPU backend"); the message says which flag and why."""
+    with pytest.raises(RuntimeError, match=f"{flags[0]}: DeepSpeed could not start the actor on the 'cpu'.*"
+                                           "not been implemented on CPU"):
+        load_main(STEP3)(step3_argv(nano, tmp_path, *flags, "--max_steps", "1"))
+
+
+def test_mixed_precision_lora_needs_lora_and_zero3(nano, tmp_path):
+    with pytest.raises(ValueError, match="needs LoRA on the actor"):
+        load_main(STEP3)(step3_argv(nano, tmp_path, "--enable_mixed_precision_lora", "--max_steps", "1"))
 
 
 @pytest.mark.slow

@@ -122,20 +122,6 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (positions * attention_mask.long()).argmax(dim=1)
 
 
-def end_index_from_ids(input_ids: torch.Tensor, pad_token_id: int, start: int = 0,
-                       num_padding_at_beginning: int = 0) -> torch.Tensor:
-    """Last real token of each row found from ids alone (DeepSpeed-Chat's rule): the token before the first
-    pad at or after ``start`` that is not one of the ``num_padding_at_beginning`` leading pads.  (B,)"""
-    B, T = input_ids.shape
-    is_pad = input_ids[:, start:] == pad_token_id
-    # rank of each pad among the pads of its row; the (num_padding_at_beginning)-th one ends the text
-    rank = is_pad.long().cumsum(dim=1)
-    hit = is_pad & (rank == num_padding_at_beginning + 1)
-    has = hit.any(dim=1)
-    first = hit.float().argmax(dim=1) + start
-    return torch.where(has, first - 1, torch.full_like(first, T - 1))
-
-
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Reward-model score of each sequence: the head's value at its last real token.  (B,)"""
     values = token_values(model, input_ids, attention_mask)

@@ -48,12 +48,27 @@ def hybrid_engine_config(args) -> dict | None:
                               "tp_gather_partition_size": args.tp_gather_partition_size}}
 
 
-def _hybrid_engine_error(err: Exception) -> RuntimeError:
+def mixed_precision_lora_config(args) -> dict | None:
+    """DeepSpeed-Chat's --enable_mixed_precision_lora: ZeRO-3 keeps the frozen (non-LoRA) actor weights
+    quantized, partitioned hierarchically per node; only the LoRA weights train in full precision."""
+    if not args.enable_mixed_precision_lora:
+        return None
+    if not (args.actor_lora_dim or args.lora_dim) or args.actor_zero_stage != 3:
+        raise ValueError("--enable_mixed_precision_lora needs LoRA on the actor (--actor_lora_dim > 0) and "
+                         "--actor_zero_stage 3")
     from deepspeed.accelerator import get_accelerator
 
-    return RuntimeError(f"--enable_hybrid_engine: DeepSpeed's hybrid engine could not start on the "
-                        f"'{get_accelerator().device_name()}' accelerator ({err}). It needs DeepSpeed's GPU inference "
-                        f"kernels (CUDA/ROCm); drop the flag to generate through the training engine instead.")
+    return {"zero_optimization": {"zero_quantized_nontrainable_weights": True,
+                                  "zero_hpz_partition_size": max(1, get_accelerator().device_count())}}
+
+
+def _gpu_only_error(flags: list[str], err: Exception) -> RuntimeError:
+    from deepspeed.accelerator import get_accelerator
+
+    return RuntimeError(f"{' and '.join(flags)}: DeepSpeed could not start the actor on the "
+                        f"'{get_accelerator().device_name()}' accelerator ({err}). These features need DeepSpeed's GPU "
+                        f"kernels (hybrid engine: inference kernels; mixed-precision LoRA: the ZeRO-3 quantizer) "
+                        f"on CUDA/ROCm; drop the flag(s) to run here.")
 
 
 def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
@@ -72,18 +87,20 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     if lora_dim > 0:
         actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
                            args.only_optimize_lora)
-    hybrid = hybrid_engine_config(args)
+    hybrid, mp_lora = hybrid_engine_config(args), mixed_precision_lora_config(args)
+    gpu_only = [f for f, on in (("--enable_hybrid_engine", hybrid), ("--enable_mixed_precision_lora", mp_lora)) if on]
     try:
         actor = train_engine(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
                              lora_lr=args.lora_learning_rate, micro_batch=mb,
                              grad_accum=args.gradient_accumulation_steps, zero_stage=args.actor_zero_stage,
                              offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
                              warmup=warmup, total_steps=total_steps,
-                             gradient_checkpointing=args.actor_gradient_checkpointing, extra_config=hybrid)
+                             gradient_checkpointing=args.actor_gradient_checkpointing,
+                             extra_config={**(hybrid or {}), **(mp_lora or {})})
     except (ValueError, RuntimeError, NotImplementedError) as err:
-        if hybrid is None:
+        if not gpu_only:
             raise
-        raise _hybrid_engine_error(err) from err
+        raise _gpu_only_error(gpu_only, err) from err
     # reference: frozen SFT policy for the KL penalty
     ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0), zero_stage=args.actor_zero_stage,
                         offload=args.offload_reference_model, dtype=args.dtype)

@@ -72,11 +72,20 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = train_config(micro_batch=micro_batch, grad_accum=grad_accum, world_size=dist.world_size(),
                           zero_stage=zero_stage, offload=offload, dtype=dtype, tensorboard_dir=tensorboard_dir)
-    config.update(extra_config or {})
+    _merge(config, extra_config or {})
     optimizer = make_optimizer(param_groups(model, weight_decay, lr, lora_lr), lr, offload)
     sched = make_scheduler(optimizer, scheduler, warmup, total_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched, config=config)
     return engine
+
+
+def _merge(config: dict, extra: dict) -> None:
+    """Merge ``extra`` into ``config`` section by section (nested dicts merged, values replaced)."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = value
 
 
 def frozen_engine(model: nn.Module, *, zero_stage: int, offload: bool, dtype: str):
