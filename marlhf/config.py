@@ -156,6 +156,9 @@ class RLHFArgs(BaseArgs):
     actor_dropout: float | None = opt(0.0, "Actor dropout (0 makes PPO ratios exact).")
     critic_dropout: float | None = opt(0.0, "Critic dropout.")
     enable_hybrid_engine: bool = opt(False, "DeepSpeed hybrid engine for generation (GPU only).")
+    zero3_generation: str = opt("gather", "ZeRO-3 actor without hybrid engine: gather all parameters once per "
+                                "generate call (fast) or fetch them per layer with ranks in step (fits any size).",
+                                choices=("gather", "synced"))
     inference_tp_size: int = opt(1, "Hybrid engine tensor-parallel size.")
     tp_gather_partition_size: int = opt(8, "Hybrid engine gather partition size.")
     release_inference_cache: bool = opt(False, "Hybrid engine: free the KV cache after generation.")

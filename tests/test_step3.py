@@ -203,3 +203,14 @@ def test_lora_offload_checkpointing_and_zero3_actor(nano, tmp_path):
     assert all(merged[k].shape == v.shape for k, v in init.items())  # gathered from the ZeRO-3 partitions
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[name], init[name])  # the LoRA update was merged into the export
+
+
+@pytest.mark.slow
+def test_two_ranks_zero3_actor_generates_with_synced_ranks(nano, tmp_path):
+    """Per-layer ZeRO-3 fetching during generation: ranks finishing at different lengths stay in step."""
+    run_launcher([*deepspeed_cmd(2, 29622), str(STEP3),
+                  *step3_argv(nano, tmp_path, "--actor_zero_stage", "3", "--critic_zero_stage", "3",
+                              "--zero3_generation", "synced", "--max_steps", "1")], timeout=600)
+    (row,) = train_rows(tmp_path)
+    assert torch.isfinite(torch.tensor([row["train/actor_loss"], row["train/critic_loss"]])).all()
+    assert json.loads((tmp_path / "args.json").read_text())["zero3_generation"] == "synced"

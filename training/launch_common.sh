@@ -202,7 +202,8 @@ ppo_flags() {
             --termination_condition "${TERMINATION:-fixed}" --ngram "${NGRAM:-5}" --value_function equal
             "${PPO_TASK_ARGS[@]}"
             --actor_zero_stage "$ACTOR_ZERO_STAGE" --critic_zero_stage "$CRITIC_ZERO_STAGE")
-    if (( OFFLOAD )); then FLAGS+=(--offload --offload_reference_model); fi
+    # a model that needs parameter offload does not fit whole on one GPU: fetch ZeRO-3 layers per token
+    if (( OFFLOAD )); then FLAGS+=(--offload --offload_reference_model --zero3_generation synced); fi
     if (( GRADIENT_CHECKPOINTING )); then
         FLAGS+=(--actor_gradient_checkpointing --critic_gradient_checkpointing)
     fi

@@ -82,16 +82,21 @@ def _forward_logits(model, seq, attention_mask):
 def generate(actor, prompt_ids, prompt_mask, args, stop_ids, pad_id) -> torch.Tensor:
     """Sample answers (temperature / top-k / top-p).
 
-    With the hybrid engine the DeepSpeed engine generates with its inference kernels; otherwise the module
-    generates, its ZeRO-3 parameters gathered once for the whole call (not once per token)."""
+    With the hybrid engine the DeepSpeed engine generates with its inference kernels.  Otherwise the module
+    generates; under ZeRO-3 its parameters are either gathered once for the whole call (``gather``: fast,
+    needs the full model in memory) or fetched layer by layer at every token with the ranks kept in step
+    (``synced``: DeepSpeed-Chat's memory-safe path for models that do not fit whole)."""
     actor.eval()
     hybrid = getattr(args, "enable_hybrid_engine", False)
     module = actor if hybrid else actor.module
-    with _gathered(actor.module, 0 if hybrid else args.actor_zero_stage):
+    zero3 = args.actor_zero_stage == 3 and not hybrid
+    gather = zero3 and args.zero3_generation == "gather"
+    with _gathered(actor.module, 3 if gather else 0):
         seq = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
                               temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
                               max_new_tokens=args.max_answer_seq_len, eos_token_id=stop_ids,
-                              pad_token_id=pad_id, use_cache=True)
+                              pad_token_id=pad_id, use_cache=True,
+                              synced_gpus=zero3 and not gather and dist.world_size() > 1)
     actor.train()
     return seq
 
