@@ -52,6 +52,10 @@ def test_n5_run_trains_and_exports(run_n5, nano):
         # answers are <= 24 tokens and macro actions are 5 tokens except each sample's last one
         assert 1 <= r["train/macro_len"] <= 5
         assert r["train/num_macros"] >= r["train/response_len"] / 5 - 1e-6
+    # the schedule spans the optimizer steps actually taken: per PPO step 2 generation batches x (4 / 2)
+    # micro-batches x 2 (ptx) = 8 actor updates, so after step 1 of 2 the cosine is halfway (lr 1e-3 / 2)
+    assert rows[0]["train/actor_lr"] == pytest.approx(5e-4, rel=1e-6)
+    assert rows[1]["train/actor_lr"] == pytest.approx(0.0, abs=1e-12)
     actor = AutoModelForCausalLM.from_pretrained(run_n5 / "actor")
     ema = AutoModelForCausalLM.from_pretrained(run_n5 / "actor_ema")
     init = AutoModelForCausalLM.from_pretrained(nano).state_dict()

@@ -10,6 +10,7 @@ ema       = optional exponential moving average of the actor (a frozen engine up
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,27 @@ def _gpu_only_error(flags: list[str], err: Exception) -> RuntimeError:
                         f"on CUDA/ROCm; drop the flag(s) to run here.")
 
 
+def optimizer_steps(args, ppo_steps: int, with_ptx: bool = False) -> int:
+    """Optimizer (= scheduler) steps an engine takes in ``ppo_steps`` PPO steps.
+
+    Each PPO step runs ``--ppo_epochs`` passes over ``--generation_batches`` experience batches split into
+    micro-batches of ``--per_device_training_batch_size``; every micro-batch is one DeepSpeed micro-step
+    (two for the actor with a ptx loss), and ``--gradient_accumulation_steps`` micro-steps make one update."""
+    micro = math.ceil(args.per_device_generation_batch_size / args.per_device_training_batch_size)
+    micro *= args.generation_batches * args.ppo_epochs * (2 if with_ptx else 1)
+    return max(1, ppo_steps * micro // args.gradient_accumulation_steps)
+
+
 def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
+    """The step-3 engines; ``total_steps`` counts PPO steps (schedulers get their optimizer-step totals)."""
     if args.enable_ema and (args.actor_lora_dim or args.lora_dim):
         raise ValueError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
                          "drop --enable_ema or LoRA")
     actor_path = resolve_model_path(args.actor_model_name_or_path)
     critic_path = resolve_model_path(args.critic_model_name_or_path)
     reward_path = args.reward_model_name_or_path or critic_path
-    warmup = warmup_steps(total_steps, args.num_warmup_steps, args.warmup_ratio)
+    with_ptx = bool(args.unsupervised_dataset_name) and args.unsup_coef != 0
+    actor_total, critic_total = optimizer_steps(args, total_steps, with_ptx), optimizer_steps(args, total_steps)
     mb = args.per_device_training_batch_size
 
     # actor: the SFT policy, trained
@@ -94,7 +108,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
                              lora_lr=args.lora_learning_rate, micro_batch=mb,
                              grad_accum=args.gradient_accumulation_steps, zero_stage=args.actor_zero_stage,
                              offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
-                             warmup=warmup, total_steps=total_steps,
+                             warmup=warmup_steps(actor_total, args.num_warmup_steps, args.warmup_ratio),
+                             total_steps=actor_total,
                              gradient_checkpointing=args.actor_gradient_checkpointing,
                              extra_config={**(hybrid or {}), **(mp_lora or {})})
     except (ValueError, RuntimeError, NotImplementedError) as err:
@@ -117,7 +132,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
                           lora_lr=args.lora_learning_rate, micro_batch=mb,
                           grad_accum=args.gradient_accumulation_steps, zero_stage=args.critic_zero_stage,
                           offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
-                          warmup=warmup, total_steps=total_steps,
+                          warmup=warmup_steps(critic_total, args.num_warmup_steps, args.warmup_ratio),
+                          total_steps=critic_total,
                           gradient_checkpointing=args.critic_gradient_checkpointing)
     # reward: frozen scorer
     reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
