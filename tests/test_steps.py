@@ -159,3 +159,19 @@ def test_reward_model_loads_as_sequence_classifier(reward_run):
         a = hf(**batch).logits.squeeze(-1)
         b = sequence_scores(ours, batch["input_ids"], batch["attention_mask"])
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_with_linear_warmup_schedule(embedded, tmp_path):
+    """bf16 under DeepSpeed on CPU; the logged learning rates follow linear warmup (ratio 0.5 of 4 steps
+    = 2 warmup steps) then linear decay: 0.5, 1.0, 0.5, 0.0 times the peak."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "bf16"
+    load_main(STEP1)([*COMMON, "--output_dir", str(out), "--data_output_path", str(tmp_path / "data"),
+                      "--dtype", "bf16", "--learning_rate", "1e-3", "--lr_scheduler_type", "linear",
+                      "--warmup_ratio", "0.5", "--max_steps", "4"])
+    rows = [m for m in read_metrics(out) if "train/lr" in m]
+    assert [r["train/lr"] for r in rows] == pytest.approx([5e-4, 1e-3, 5e-4, 0.0])
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert next(model.parameters()).dtype == torch.bfloat16  # exported in the dtype it trained in
