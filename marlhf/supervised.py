@@ -20,7 +20,7 @@ from tqdm import tqdm
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.loading import sequence_scores
 from marlhf.utils import checkpoint, dist
-from marlhf.utils.engine import train_engine, warmup_steps
+from marlhf.utils.engine import engine_from_args
 from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")
@@ -120,12 +120,7 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
     eval_loader = make_loader(eval_items, args.per_device_eval_batch_size,
                               ResumableSampler(len(eval_items), args.seed, shuffle=False), objective.collator)
     steps_per_epoch, total = plan_steps(len(train_items), mb, ga, args.num_train_epochs, args.max_steps)
-    engine = train_engine(model, lr=args.learning_rate, weight_decay=args.weight_decay,
-                          lora_lr=args.lora_learning_rate, micro_batch=mb, grad_accum=ga,
-                          zero_stage=args.zero_stage, offload=args.offload, dtype=args.dtype,
-                          scheduler=args.lr_scheduler_type,
-                          warmup=warmup_steps(total, args.num_warmup_steps, args.warmup_ratio), total_steps=total,
-                          gradient_checkpointing=args.gradient_checkpointing)
+    engine = engine_from_args(model, args, total, mb)
     ckpt_root = Path(args.output_dir) / "checkpoints"
     tracker = Tracker(args.output_dir, args.tensorboard_path, args.enable_tensorboard, args.print_loss)
     step, epoch, done_in_epoch = 0, 0, 0

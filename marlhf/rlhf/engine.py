@@ -17,7 +17,7 @@ import torch
 
 from marlhf.models.loading import apply_lora, load_causal_lm, load_value_model, resolve_model_path
 from marlhf.utils import dist
-from marlhf.utils.engine import frozen_engine, train_engine, warmup_steps
+from marlhf.utils.engine import engine_from_args, frozen_engine
 
 log = logging.getLogger("marlhf")
 
@@ -104,14 +104,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     hybrid, mp_lora = hybrid_engine_config(args), mixed_precision_lora_config(args)
     gpu_only = [f for f, on in (("--enable_hybrid_engine", hybrid), ("--enable_mixed_precision_lora", mp_lora)) if on]
     try:
-        actor = train_engine(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
-                             lora_lr=args.lora_learning_rate, micro_batch=mb,
-                             grad_accum=args.gradient_accumulation_steps, zero_stage=args.actor_zero_stage,
-                             offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
-                             warmup=warmup_steps(actor_total, args.num_warmup_steps, args.warmup_ratio),
-                             total_steps=actor_total,
-                             gradient_checkpointing=args.actor_gradient_checkpointing,
-                             extra_config={**(hybrid or {}), **(mp_lora or {})})
+        actor = engine_from_args(actor, args, actor_total, mb, role="actor",
+                                 extra_config={**(hybrid or {}), **(mp_lora or {})})
     except (ValueError, RuntimeError, NotImplementedError) as err:
         if not gpu_only:
             raise
@@ -128,13 +122,7 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     if args.critic_lora_dim > 0:
         critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
                             task="SEQ_CLS")
-    critic = train_engine(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
-                          lora_lr=args.lora_learning_rate, micro_batch=mb,
-                          grad_accum=args.gradient_accumulation_steps, zero_stage=args.critic_zero_stage,
-                          offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
-                          warmup=warmup_steps(critic_total, args.num_warmup_steps, args.warmup_ratio),
-                          total_steps=critic_total,
-                          gradient_checkpointing=args.critic_gradient_checkpointing)
+    critic = engine_from_args(critic, args, critic_total, mb, role="critic")
     # reward: frozen scorer
     reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
                            offload=args.offload_reference_model, dtype=args.dtype)

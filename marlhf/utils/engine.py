@@ -79,6 +79,20 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
     return engine
 
 
+def engine_from_args(model: nn.Module, args, total_steps: int, micro_batch: int, role: str = "",
+                     extra_config: dict | None = None):
+    """A training engine configured by the flags of ``role``: "" reads --learning_rate, --zero_stage, ...
+    (steps 1-2); "actor" / "critic" read --actor_learning_rate, --actor_zero_stage, ... (step 3)."""
+    p = f"{role}_" if role else ""
+    return train_engine(model, lr=getattr(args, p + "learning_rate"), weight_decay=getattr(args, p + "weight_decay"),
+                        lora_lr=args.lora_learning_rate, micro_batch=micro_batch,
+                        grad_accum=args.gradient_accumulation_steps, zero_stage=getattr(args, p + "zero_stage"),
+                        offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
+                        warmup=warmup_steps(total_steps, args.num_warmup_steps, args.warmup_ratio),
+                        total_steps=total_steps, gradient_checkpointing=getattr(args, p + "gradient_checkpointing"),
+                        extra_config=extra_config)
+
+
 def _merge(config: dict, extra: dict) -> None:
     """Merge ``extra`` into ``config`` section by section (nested dicts merged, values replaced)."""
     for key, value in extra.items():
