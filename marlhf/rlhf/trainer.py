@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.models.loading import position_ids_from_mask, stop_token_ids, token_values
+from marlhf.models.loading import position_ids_from_mask, sequence_scores, stop_token_ids, token_values
 from marlhf.rlhf import macro
 from marlhf.rlhf.engine import RLHFEngine, _gathered, update_ema
 from marlhf.rlhf.ppo_math import compute_advantages, policy_loss, token_rewards, value_loss
@@ -191,9 +191,7 @@ class MAPPOTrainer:
             scores = torch.tensor(self.scorer(self._decode(prompt_ids, prompt_mask), self._decode(answer, mask)),
                                   dtype=torch.float32, device=seq.device)
         else:
-            reward_values = token_values(self.rlhf.reward, seq, attn)
-            last = (torch.arange(attn.shape[1], device=attn.device) * attn).argmax(dim=1)
-            scores = reward_values.gather(1, last[:, None]).squeeze(1)
+            scores = sequence_scores(self.rlhf.reward, seq, attn)
 
         loss_mask = mask & valid[:, None]
         rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, a.kl_ctl, a.clip_reward_value)
@@ -357,9 +355,7 @@ def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_sc
             mask, _ = answer_mask(seq[:, P:], stop_ids)
             attn = torch.cat([p_mask, mask.long()], dim=1)
             seq = torch.where(attn.bool(), seq, torch.full_like(seq, pad))
-            values = token_values(reward, seq, attn)
-            last = (torch.arange(attn.shape[1], device=dev) * attn).argmax(dim=1)
-            rm = values.gather(1, last[:, None]).squeeze(1)
+            rm = sequence_scores(reward, seq, attn)
             gold = 0.0
             if gold_scorer is not None:
                 dec = lambda ids, m: [tokenizer.decode(i[k.bool()].tolist(), skip_special_tokens=True)
