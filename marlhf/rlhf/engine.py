@@ -148,18 +148,12 @@ def update_ema(actor, ema, decay: float, zero_stage: int) -> None:
     """ema ← decay · ema + (1 − decay) · actor, parameter by parameter (gathered under ZeRO-3)."""
     import deepspeed
 
-    a_params = dict(_base_named_parameters(actor.module))
-    for name, p_ema in _base_named_parameters(ema.module):
+    # same architecture, no LoRA (build_rlhf_engine rejects EMA with LoRA): parameters pair up by name
+    a_params = dict(actor.module.named_parameters())
+    for name, p_ema in ema.module.named_parameters():
         p = a_params[name]
         params = [q for q in (p, p_ema) if hasattr(q, "ds_id")] if zero_stage == 3 else []
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
             if not params or dist.is_main():
                 p_ema.data.copy_(torch.lerp(p.data.to(p_ema.dtype), p_ema.data, decay))
 
-
-def _base_named_parameters(module):
-    """Parameter names without peft's wrapping, LoRA merged away is not needed: EMA tracks base weights."""
-    for name, p in module.named_parameters():
-        if "lora_" in name:
-            continue
-        yield name.replace("base_model.model.", "").replace(".base_layer", ""), p

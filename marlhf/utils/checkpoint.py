@@ -154,7 +154,7 @@ def _rebuild(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) ->
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"unexpected weights while exporting: {unexpected[:5]}")
-    fresh.tie_weights() if not is_peft else fresh.get_base_model().tie_weights()
+    (fresh.get_base_model() if is_peft else fresh).tie_weights()
     still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
     if still_meta:
         raise RuntimeError(f"weights missing while exporting: {still_meta[:5]} (missing keys {missing[:5]})")
