@@ -20,7 +20,7 @@ from tqdm import tqdm
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.loading import sequence_scores
 from marlhf.utils import checkpoint, dist
-from marlhf.utils.engine import engine_from_args
+from marlhf.utils.ds_engine import engine_from_args
 from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")

@@ -47,9 +47,9 @@ from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
 from marlhf.models.loading import load_tokenizer  # noqa: E402
-from marlhf.rlhf.engine import build_rlhf_engine  # noqa: E402
 from marlhf.rlhf.macro import macro_lengths  # noqa: E402
 from marlhf.rlhf.ppo_math import compute_advantages  # noqa: E402
+from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
 from marlhf.rlhf.trainer import Experience, MAPPOTrainer  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
 

@@ -331,11 +331,11 @@ def macro_values(
 
     Computed per sample with one scatter (never averaged over the batch); dtype at least float32.
     """
-    mb = macro_batch(seg)
-    w = token_weights(seg, sigma, mb.lengths)  # (B, T)
+    macros = macro_batch(seg)
+    w = token_weights(seg, sigma, macros.lengths)  # (B, T)
     x = torch.where(mask.bool(), values.to(torch.float64) * w, 0.0)  # (B, T)
-    M = mb.lengths.shape[1]
-    return segment_sum(x, seg, M).to(_acc_dtype(values)), mb.macro_mask  # (B, M), (B, M)
+    M = macros.lengths.shape[1]
+    return segment_sum(x, seg, M).to(_acc_dtype(values)), macros.macro_mask  # (B, M), (B, M)
 
 
 def macro_rewards(
@@ -348,12 +348,12 @@ def macro_rewards(
     """
     check_choice("reward_mode", mode, REWARD_MODES)
     check_choice("value_function (sigma)", sigma, SIGMAS)
-    mb = macro_batch(seg)
+    macros = macro_batch(seg)
     x = torch.where(mask.bool(), rewards.to(torch.float64), 0.0)  # (B, T)
     if mode == "compat":
-        x = x * token_weights(seg, sigma, mb.lengths)  # (B, T)
-    M = mb.lengths.shape[1]
-    return segment_sum(x, seg, M).to(_acc_dtype(rewards)), mb.macro_mask  # (B, M), (B, M)
+        x = x * token_weights(seg, sigma, macros.lengths)  # (B, T)
+    M = macros.lengths.shape[1]
+    return segment_sum(x, seg, M).to(_acc_dtype(rewards)), macros.macro_mask  # (B, M), (B, M)
 
 
 def segments_for_rule(

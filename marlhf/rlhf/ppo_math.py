@@ -195,7 +195,7 @@ def compute_advantages(
     m = check_mask(mask)  # (B, T)
     if seg.shape != m.shape or not bool(((seg >= 0) == m).all()):
         raise ValueError("seg: must have mask's shape and be >= 0 exactly on real tokens")
-    mb = macro_batch(seg)
+    macros = macro_batch(seg)
     V, macro_mask = macro_values(values, seg, m, sigma)  # (B, M), (B, M)
     R, _ = macro_rewards(rewards, seg, m, reward_mode, sigma)  # (B, M)
     A, Q = gae(V, R, macro_mask, gamma, lam)  # (B, M), (B, M)
@@ -209,7 +209,7 @@ def compute_advantages(
             "adv_l2_tok": _row_l2(adv_tok),
             "q_l2_tok": _row_l2(ret_tok),
             "num_macros": macro_mask.sum(dim=1).double().mean(),
-            "macro_len": mb.lengths.sum().double() / n_macro.clamp(min=1),
+            "macro_len": macros.lengths.sum().double() / n_macro.clamp(min=1),
         }
     if whiten_advantages:
         adv_tok = whiten(adv_tok, m)

@@ -21,8 +21,8 @@ from tqdm import tqdm
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.loading import position_ids_from_mask, sequence_scores, stop_token_ids, token_values
 from marlhf.rlhf import macro
-from marlhf.rlhf.engine import RLHFEngine, _gathered, update_ema
 from marlhf.rlhf.ppo_math import compute_advantages, policy_loss, token_rewards, value_loss
+from marlhf.rlhf.rlhf_engine import RLHFEngine, _gathered, update_ema
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.tracking import Tracker
 

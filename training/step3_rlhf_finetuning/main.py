@@ -14,7 +14,7 @@ from pathlib import Path
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.models.loading import load_tokenizer
-from marlhf.rlhf.engine import build_rlhf_engine
+from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
 from marlhf.rlhf.trainer import MAPPOTrainer, evaluate_policy
 from marlhf.utils import dist

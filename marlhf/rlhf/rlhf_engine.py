@@ -17,7 +17,7 @@ import torch
 
 from marlhf.models.loading import apply_lora, load_causal_lm, load_value_model, resolve_model_path
 from marlhf.utils import dist
-from marlhf.utils.engine import engine_from_args, frozen_engine
+from marlhf.utils.ds_engine import engine_from_args, frozen_engine
 
 log = logging.getLogger("marlhf")
 
