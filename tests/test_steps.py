@@ -120,9 +120,29 @@ def test_lora_adapter_saved_in_peft_format_and_mergeable(embedded, tmp_path):
     assert not torch.allclose(a, plain, atol=1e-4)  # the adapter changed something
 
 
-def test_fp16_on_cpu_fails_with_the_reason(embedded, tmp_path):
+def test_fp16_without_accelerator_support_fails_with_the_reason(embedded, tmp_path, monkeypatch):
+    """Where the accelerator has no fp16 (most CPUs), the run stops before training, saying why."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
     with pytest.raises(RuntimeError, match="fp16 needs an accelerator"):
         load_main(STEP1)(sft_argv(tmp_path / "o", tmp_path / "d", "--dtype", "fp16", "--max_steps", "1"))
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_fp16_where_supported_trains_with_finite_loss(embedded, tmp_path):
+    """Some CPUs (oneDNN fp16) and every GPU report fp16: then DeepSpeed's loss-scaled fp16 path trains."""
+    from deepspeed.accelerator import get_accelerator
+
+    out = tmp_path / "o"
+    argv = sft_argv(out, tmp_path / "d", "--dtype", "fp16", "--max_steps", "2")
+    if not get_accelerator().is_fp16_supported():
+        with pytest.raises(RuntimeError, match="fp16 needs an accelerator"):
+            load_main(STEP1)(argv)
+        return
+    load_main(STEP1)(argv)
+    losses = [m["train/loss"] for m in read_metrics(out) if "train/loss" in m]
+    assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses)))
 
 
 @pytest.fixture(scope="module")
