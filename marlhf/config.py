@@ -189,6 +189,9 @@ class RLHFArgs(BaseArgs):
     parser_cutoff: int = opt(5, "Parsing rule: a tree node with fewer than C tokens is one macro action.")
     parser_backend: str = opt("auto", "Parsing rule backend.",
                               choices=("auto", "benepar", "spacy", "treesitter", "redbaron"))
+    parser_model: str = opt("", "Parsing rule model: a benepar model name (e.g. benepar_en3 in nltk_data) or folder, "
+                            "or a spaCy pipeline; empty: the backend's default (benepar: benepar_en3 if "
+                            "installed, else the project-built model).")
     response_kind: str = opt("text", "Parsing rule: responses are natural language or Python code.",
                              choices=("text", "code"))
     value_function: str = opt("equal", "σ weights of token values inside a macro action (paper D.1).",
