@@ -53,7 +53,7 @@ VERSION = 1  # bump when the corpus, the tree conversion or the training recipe 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "benepar_model.bin"
 MANIFEST = "manifest.json"
-DEFAULT_STEPS = 1000
+DEFAULT_STEPS = 800
 MAX_WORDS = 40  # training sentences longer than this are dropped (the chart is O(n^2) per sentence)
 HELD_OUT = 150  # sentences kept out of training for the F1 in the manifest
 
