@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from marlhf.config import RewardArgs, RLHFArgs, SFTArgs, parse_args
+from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import (
     PairCollator,
     PromptCollator,
@@ -16,7 +17,6 @@ from marlhf.data.pipeline import (
     split_indices,
     tokenize_phase,
 )
-from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.records import BadRowPolicy, DataError, Record
 
 # ---------------------------------------------------------------------------------------------- config
