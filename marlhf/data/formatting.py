@@ -201,6 +201,28 @@ class PromptFormatter:
         return out
 
 
+    def cut_inside(self, prompt: str, limit: int) -> tuple[str, int]:
+        """(text, leading tokens to drop) keeping the end of the most recent turn within ``limit`` tokens.
+
+        raw: the last turn's first tokens are dropped.  chat_template: the last user message loses the start
+        of its text (the smallest cut that fits, by bisection), so the template's markup stays intact."""
+        last = self.prompt_candidates(prompt)[-1]
+        if self.format == "raw":
+            return last, max(0, len(self.encode(last)) - limit)
+        message = prompt_messages(prompt)[-1]
+        text = message["content"]
+        render = lambda start: self.render([{**message, "content": text[start:]}])  # noqa: E731
+        lo, hi = 0, len(text)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.encode(render(mid))) <= limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        kept = render(lo)
+        return kept, max(0, len(self.encode(kept)) - limit)  # the markup alone may exceed a tiny limit
+
+
 class LongPromptPolicy:
     """``--long_prompts``: a prompt over its token limit is ``truncate``d from the left (the most recent
     turns stay; cut at a turn boundary when one fits, else inside the first kept turn), ``skip``ped, or an
@@ -234,7 +256,7 @@ class LongPromptPolicy:
                 self.counts["truncated at a turn boundary"] += 1
                 return text, 0
         self.counts["truncated inside a turn"] += 1
-        return candidates[-1], n - limit
+        return formatter.cut_inside(prompt, limit)
 
     def summary(self, limit_name: str) -> str:
         if not self.counts:

@@ -36,25 +36,9 @@ def load_tokenizer(path: str, end_of_conversation_token: str = "", padding_side:
     """The policy tokenizer with a pad token distinct from its EOS and end-of-conversation tokens.
 
     ``add_eot_token`` registers a token that is not in the vocabulary as a new special token (DeepSpeed-Chat's
-    --add_eot_token; the embedding grows by one untrained row).  The pad token must differ from the end
-    token: plain transformers' sequence classifier scores the last token that is not the pad token, so a
-    pad equal to the end token would move every reward-model score one token early (SmolLM2 and GPT-2 pad
-    with their EOS; Llama-3 has no pad).  The unknown token, which never ends a text, is used when there is
-    one; otherwise a ``<|pad|>`` special token is added (its embedding row is never read: padding is masked)."""
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
-    if add_eot_token and end_of_conversation_token and end_of_conversation_token not in tok.get_vocab():
-        tok.add_special_tokens({"additional_special_tokens": [end_of_conversation_token]})
-        log.warning("added %r to the vocabulary as a new special token (--add_eot_token)", end_of_conversation_token)
-    ends = {tok.eos_token_id, tok.convert_tokens_to_ids(end_of_conversation_token) if end_of_conversation_token
-            else None} - {None}
-    if tok.pad_token_id is None or tok.pad_token_id in ends:
-        before = tok.pad_token
-        if tok.unk_token_id is not None and tok.unk_token_id not in ends:
-            tok.pad_token = tok.unk_token
-        else:
-            tok.add_special_tokens({"pad_token": "<|pad|>"})
-        log.info("pad token %r -> %r (distinct from the end-of-answer token, so reward scores are read at the "
-                 "right position)", before, tok.pad_token)
+    --add_eot_token; the embedding grows by one untrained row)."""
+    tok = _plain_tokenizer(path, end_of_conversation_token, add_eot_token)
+    _distinct_pad(tok, end_of_conversation_token)
     tok.padding_side = padding_side
     return tok
 
@@ -67,12 +51,42 @@ def load_tokenizer_and_format(path: str, end_of_conversation_token: str = "", pr
 
     path = resolve_model_path(path)
     recorded = read_format(path)
-    eot = end_of_conversation_token or recorded.get("end_of_conversation_token", "")
-    tok = load_tokenizer(path, eot, padding_side, add_eot_token)
+    tok = _plain_tokenizer(path, end_of_conversation_token or recorded.get("end_of_conversation_token", ""),
+                           add_eot_token)
     fmt = resolve_format(tok, recorded, end_of_conversation_token, prompt_format)
-    if not eot:  # the default end token is known only now; the pad token must differ from it too
-        tok = load_tokenizer(path, fmt.end_of_conversation_token, padding_side)
+    _distinct_pad(tok, fmt.end_of_conversation_token)
+    tok.padding_side = padding_side
     return tok, fmt
+
+
+def _plain_tokenizer(path: str, end_of_conversation_token: str, add_eot_token: bool):
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    if add_eot_token and end_of_conversation_token and end_of_conversation_token not in tok.get_vocab():
+        tok.add_special_tokens({"additional_special_tokens": [end_of_conversation_token]})
+        log.warning("added %r to the vocabulary as a new special token (--add_eot_token)", end_of_conversation_token)
+    return tok
+
+
+def _distinct_pad(tok, end_of_conversation_token: str) -> None:
+    """Make the pad token differ from the EOS and end-of-conversation tokens.
+
+    Plain transformers' sequence classifier scores the last token that is not the pad token, so a pad equal
+    to the end token would move every exported reward model's score one token early (SmolLM2 and GPT-2 pad
+    with their EOS; Llama-3 has no pad).  The unknown token, which never ends a text, is used when there is
+    one; otherwise a ``<|pad|>`` special token is added (its embedding row is never read: padding is masked)."""
+    ends = {tok.eos_token_id}
+    if end_of_conversation_token:
+        ends.add(tok.convert_tokens_to_ids(end_of_conversation_token))
+    ends.discard(None)
+    if tok.pad_token_id is not None and tok.pad_token_id not in ends:
+        return
+    before = tok.pad_token
+    if tok.unk_token_id is not None and tok.unk_token_id not in ends:
+        tok.pad_token = tok.unk_token
+    else:
+        tok.add_special_tokens({"pad_token": "<|pad|>"})
+    log.info("pad token %r -> %r (distinct from the end-of-answer token, so reward scores are read at the right "
+             "position)", before, tok.pad_token)
 
 
 def _config(path: str, dropout: float | None, **extra):
