@@ -43,8 +43,19 @@ class BaseArgs:
     eval_fraction: float = opt(0.05, "Share of training records held out for evaluation when a dataset has no "
                                "test split.")
     max_eval_samples: int = opt(512, "Cap on evaluation examples (0 = no cap).")
-    end_of_conversation_token: str = opt("<|endoftext|>", "Appended to every response; the token that ends an "
-                                         "answer in step 3.")
+    end_of_conversation_token: str = opt("", "Appended to every response; the token that ends an answer in step 3. "
+                                         "Default: what the model folder recorded (a model trained here), else "
+                                         "the token ending the chat template's assistant turn (chat_template "
+                                         "format), else <|endoftext|> when the tokenizer has it, else its EOS.")
+    add_eot_token: bool = opt(False, "Add --end_of_conversation_token to the vocabulary as a new special token "
+                              "when the tokenizer lacks it (otherwise that is an error).")
+    prompt_format: str = opt("auto", "raw: DeepSpeed-Chat's 'Human: ... Assistant:' / 'TL;DR:' text; chat_template: "
+                             "records as chat messages in the tokenizer's template; auto: recorded with the model, "
+                             "else chat_template for instruct models (EOS ends the template's turn), else raw.",
+                             choices=("auto", "raw", "chat_template"))
+    long_prompts: str = opt("truncate", "A prompt over the token limit: truncate from the left (the most recent turns "
+                            "stay, cut at a turn boundary when possible), skip it (counted in the log), or error.",
+                            choices=("truncate", "skip", "error"))
     num_padding_at_beginning: int = opt(1, "Padding tokens the tokenizer puts before the text (OPT: 1). Accepted "
                                         "for DeepSpeed-Chat scripts; scores are read at the last position of the "
                                         "attention mask, which is right whatever precedes the text.")
@@ -109,9 +120,10 @@ class SupervisedArgs(BaseArgs):
                                   "model, built on first use).")
     per_device_train_batch_size: int = opt(8, "Micro-batch size per rank for training.")
     per_device_eval_batch_size: int = opt(8, "Micro-batch size per rank for evaluation.")
-    max_seq_len: int = opt(512, "Prompt + response tokens; longer responses are truncated, longer prompts are "
-                           "bad rows.")
-    learning_rate: float = opt(1e-3, "Peak learning rate.")
+    max_seq_len: int = opt(512, "Prompt + response tokens; longer responses are truncated; a prompt that leaves no "
+                           "room for the response is handled by --long_prompts (truncated to half the length).")
+    learning_rate: float | None = opt(None, "Peak learning rate (default: 1e-3 for the embedded tiny model, the "
+                                      "paper's Table 5 value for the model's size class otherwise).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     dropout: float | None = opt(None, "Override the model's dropout probabilities (None keeps the config's).")
@@ -126,7 +138,8 @@ class SFTArgs(SupervisedArgs):
 class RewardArgs(SupervisedArgs):
     """Step 2: reward model = base LM + scalar head, pairwise loss -log σ(r⁺ - r⁻)."""
 
-    learning_rate: float = opt(5e-4, "Peak learning rate.")
+    learning_rate: float | None = opt(None, "Peak learning rate (default: 5e-4 for the embedded tiny model, the "
+                                      "paper's Table 5 value for the model's size class otherwise).")
 
 
 @dataclass
@@ -142,10 +155,11 @@ class RLHFArgs(BaseArgs):
     per_device_training_batch_size: int = opt(8, "Experiences per rank per PPO micro-batch.")
     generation_batches: int = opt(1, "Generation batches collected before each PPO update.")
     ppo_epochs: int = opt(1, "PPO passes over each collected experience batch.")
-    max_prompt_seq_len: int = opt(256, "Longer prompts are bad rows.")
+    max_prompt_seq_len: int = opt(256, "Longer prompts are handled by --long_prompts.")
     max_answer_seq_len: int = opt(256, "Maximum generated tokens.")
-    actor_learning_rate: float = opt(1e-4, "Actor peak learning rate.")
-    critic_learning_rate: float = opt(1e-4, "Critic peak learning rate.")
+    actor_learning_rate: float | None = opt(None, "Actor peak learning rate (default: 1e-4 for the embedded tiny "
+                                            "model, the paper's Table 5 value for the model's size otherwise).")
+    critic_learning_rate: float | None = opt(None, "Critic peak learning rate (default as for the actor).")
     actor_weight_decay: float = opt(0.0, "Actor AdamW weight decay.")
     critic_weight_decay: float = opt(0.0, "Critic AdamW weight decay.")
     actor_zero_stage: int = opt(0, "ZeRO stage of the actor (and reference).", choices=(0, 1, 2, 3))
@@ -189,6 +203,9 @@ class RLHFArgs(BaseArgs):
     parser_cutoff: int = opt(5, "Parsing rule: a tree node with fewer than C tokens is one macro action.")
     parser_backend: str = opt("auto", "Parsing rule backend.",
                               choices=("auto", "benepar", "spacy", "treesitter", "redbaron"))
+    parser_model: str = opt("", "Parsing rule model: a benepar model name (e.g. benepar_en3 in nltk_data) or folder, "
+                            "or a spaCy pipeline; empty: the backend's default (benepar: benepar_en3 if "
+                            "installed, else the project-built model).")
     response_kind: str = opt("text", "Parsing rule: responses are natural language or Python code.",
                              choices=("text", "code"))
     value_function: str = opt("equal", "σ weights of token values inside a macro action (paper D.1).",

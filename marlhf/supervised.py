@@ -164,6 +164,9 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
                 tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
         else:
             done_in_epoch = micro // ga
+            if step >= total and step > 0 and not (args.eval_interval and step % args.eval_interval == 0):
+                # stopped by --max_steps inside an epoch: the final model is still evaluated
+                tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
     bar.close()
     tracker.close()
     return engine

@@ -23,6 +23,14 @@ def embedded():
     return emb.prepare()
 
 
+@pytest.fixture(scope="session")
+def benepar_silver():
+    """Folder of the project-built benepar model (built once per machine under $MARLHF_HOME, ~2 min)."""
+    from marlhf.rlhf.parsing import benepar_model
+
+    return benepar_model.prepare()
+
+
 def load_main(path: Path):
     """Import a step's main.py as a module (they are scripts, not package modules)."""
     import importlib.util

@@ -67,6 +67,9 @@ def test_hh_rlhf_mismatching_prefix_is_an_error_naming_file_row_field():
     assert (err.file, err.row, err.field) == (str(path), 2, "rejected")
     assert str(path) in str(err) and "row 2" in str(err) and "'rejected'" in str(err)
     assert "before the last Assistant turn" in str(err)
+    # the error says how to go on and how many more bad rows the file has (row 3: no Assistant turn)
+    assert "1 more bad rows in this source (1 x field 'chosen': dialogue has no" in str(err)
+    assert "--bad_rows skip" in str(err)
 
     policy = BadRowPolicy("skip")
     records = load_records(f"Anthropic/hh-rlhf:{path}", bad_rows=policy)

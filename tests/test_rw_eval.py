@@ -103,3 +103,20 @@ def test_row_without_prompt_names_file_row_and_field(reward_model, tmp_path):
     with pytest.raises(DataError, match=r"bad\.jsonl: row 2: field 'prompt': missing") as err:
         load_main(RW_EVAL)(["--model_name_or_path", str(reward_model), "--input", str(src)])
     assert (err.value.file, err.value.row, err.value.field) == (str(src), 2, "prompt")
+
+
+def test_data_path_scores_the_evaluation_pairs_of_a_dataset_spec(reward_model, tmp_path, capsys):
+    """--data_path takes training's dataset specs: the HH test split's pairs, formatted as in training."""
+    from marlhf.data.adapters import load_records
+
+    spec = f"Anthropic/hh-rlhf:{REPO / 'tests/fixtures/adapters/hh_rlhf'}"
+    dst = tmp_path / "scores.jsonl"
+    assert load_main(RW_EVAL)(["--model_name_or_path", str(reward_model), "--data_path", spec,
+                               "--output", str(dst)]) == 0
+    records = load_records(spec, split="test")
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(out) == len(records) > 0
+    for row, rec in zip(out, records):
+        assert row["chosen_score"] == pytest.approx(direct_score(reward_model, rec.prompt, rec.chosen), abs=1e-5)
+        assert row["rejected_score"] == pytest.approx(direct_score(reward_model, rec.prompt, rec.rejected), abs=1e-5)
+    assert f"pairs: {len(records)}  accuracy" in capsys.readouterr().out

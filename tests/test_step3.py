@@ -75,6 +75,18 @@ def test_n1_is_vanilla_ppo(nano, tmp_path):
     assert 1 <= row["train/num_macros"] <= row["train/response_len"]
 
 
+def test_parsing_rule_with_the_benepar_parser_trains(nano, benepar_silver, tmp_path):
+    """MA-PPO with the paper's parsing rule through benepar (the project-built model, loaded by
+    benepar.Parser): macro actions come from constituents, the losses stay finite."""
+    load_main(STEP3)(step3_argv(nano, tmp_path, "--termination_condition", "parsing", "--parser_backend", "benepar",
+                                "--parser_model", str(benepar_silver), "--max_steps", "1"))
+    (row,) = train_rows(tmp_path)
+    for key in ("train/actor_loss", "train/critic_loss", "train/kl", "train/reward"):
+        assert torch.isfinite(torch.tensor(row[key])), key
+    assert row["train/parse_fallbacks"] == 0
+    assert 1 < row["train/macro_len"] <= 6  # phrases of <= C = 5 tokens (+ a sentence's closing token)
+
+
 def test_resume_gives_the_same_weights(nano, tmp_path):
     main = load_main(STEP3)
     argv = lambda out: step3_argv(nano, out, "--max_steps", "3", "--save_steps", "1", "--keep_checkpoints", "5",
@@ -135,7 +147,7 @@ def _segmenter(rule, **kw):
     tok = load_tokenizer("")
     args = SimpleNamespace(termination_condition=rule, ngram_n=kw.get("n", 5), seed=0, repeat_times=3,
                            macro_reward=kw.get("macro_reward", "sum"), response_kind="text", parser_backend="spacy",
-                           parser_cutoff=5)
+                           parser_cutoff=5, parser_model="")
     return MacroSegmenter(args, tok), tok
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
 from marlhf.data.records import BadRowPolicy, DataError, Record
 from marlhf.utils import dist
 
@@ -84,49 +85,74 @@ def _where(rec: Record) -> tuple[str, int]:
     return (file or rec.source or "<records>"), int(row) if row.isdigit() else -1
 
 
-def encode_pair(tokenizer, prompt: str, response: str, eot: str, max_len: int) -> tuple[list[int], int]:
-    """Token ids of prompt+response+eot (truncated to ``max_len``) and where the response starts."""
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    full = tokenizer(prompt + response + eot)["input_ids"]
+def encode_pair(tokenizer, prompt: str, response: str, eot: str, max_len: int,
+                formatter: PromptFormatter | None = None, cut: int = 0) -> tuple[list[int], int]:
+    """Token ids of prompt+response+eot (truncated to ``max_len``) and where the response starts.
+
+    ``prompt`` is already in the prompt format (:meth:`PromptFormatter.prompt_text`); ``cut`` leading tokens
+    are dropped (a left-truncated prompt)."""
+    fmt = formatter or PromptFormatter(tokenizer, "raw", eot)
+    prompt_ids = fmt.encode(prompt)
+    full = fmt.encode(prompt + fmt.response_text(response))
     start = 0  # common prefix: joint tokenization may merge across the boundary
     while start < min(len(prompt_ids), len(full)) and prompt_ids[start] == full[start]:
         start += 1
-    return full[:max_len], start
+    return full[cut:cut + max_len], start - cut
 
 
-def _check_prompt(tokenizer, rec: Record, limit: int, policy: BadRowPolicy, reserve: int = 1) -> list[int] | None:
-    ids = tokenizer(rec.prompt)["input_ids"]
-    if len(ids) + reserve > limit:
+def _fit_prompt(fmt: PromptFormatter, rec: Record, limit: int, long_prompts: LongPromptPolicy):
+    """``--long_prompts`` on ``rec``'s prompt: (formatted text, leading tokens to drop) or None (skipped)."""
+    try:
+        return long_prompts.fit(fmt, rec.prompt, limit)
+    except ValueError as err:
         file, row = _where(rec)
-        policy.handle(DataError(file, row, "prompt", f"{len(ids)} tokens, longer than the limit {limit - reserve}"))
-        return None
-    return ids
+        raise DataError(file, row, "prompt", str(err)) from None
 
 
 def tokenize_phase(records: list[Record], phase: int, tokenizer, *, eot: str, max_seq_len: int,
-                   max_prompt_len: int, policy: BadRowPolicy) -> list[dict]:
-    """Turn records into the token-id examples of ``phase`` (lists of ints, cheap to cache)."""
+                   max_prompt_len: int, policy: BadRowPolicy, prompt_format: str = "raw",
+                   long_prompts: LongPromptPolicy | None = None, limit: int = 0,
+                   kept: list[Record] | None = None) -> list[dict]:
+    """Turn records into the token-id examples of ``phase`` (lists of ints, cheap to cache).
+
+    Prompts are formatted in ``prompt_format`` and fitted by ``long_prompts`` (default: truncate): to
+    ``max_prompt_len`` tokens in phase 3; in phases 1-2 a prompt that leaves no room for a response within
+    ``max_seq_len`` is cut to half of it.  ``limit`` > 0 stops once that many examples are kept; ``kept``,
+    if given, receives the records the examples came from."""
+    fmt = PromptFormatter(tokenizer, prompt_format, eot)
+    long_prompts = long_prompts if long_prompts is not None else LongPromptPolicy()
     out = []
     for rec in records:
-        if phase == 3:
-            ids = _check_prompt(tokenizer, rec, max_prompt_len, policy, reserve=0)
-            if ids is not None:
-                out.append({"prompt_ids": ids})
-            continue
-        if _check_prompt(tokenizer, rec, max_seq_len, policy) is None:
-            continue
-        if phase == 1:
-            ids, start = encode_pair(tokenizer, rec.prompt, rec.chosen, eot, max_seq_len)
-            out.append({"input_ids": ids, "response_start": start})
-        else:
-            if rec.rejected is None:
-                file, row = _where(rec)
-                policy.handle(DataError(file, row, "rejected", "missing (a reward model needs preference pairs)"))
-                continue
-            chosen, _ = encode_pair(tokenizer, rec.prompt, rec.chosen, eot, max_seq_len)
-            rejected, _ = encode_pair(tokenizer, rec.prompt, rec.rejected, eot, max_seq_len)
-            out.append({"chosen_ids": chosen, "rejected_ids": rejected})
+        if limit and len(out) >= limit:
+            break
+        item = _example(rec, phase, fmt, max_seq_len, max_prompt_len, policy, long_prompts)
+        if item is not None:
+            out.append(item)
+            if kept is not None:
+                kept.append(rec)
     return out
+
+
+def _example(rec: Record, phase: int, fmt: PromptFormatter, max_seq_len: int, max_prompt_len: int,
+             policy: BadRowPolicy, long_prompts: LongPromptPolicy) -> dict | None:
+    if phase == 3:
+        fitted = _fit_prompt(fmt, rec, max_prompt_len, long_prompts)
+        return None if fitted is None else {"prompt_ids": fmt.encode(fitted[0])[fitted[1]:]}
+    fits = len(fmt.encode(fmt.prompt_text(rec.prompt))) < max_seq_len  # room for one response token
+    fitted = _fit_prompt(fmt, rec, max_seq_len - 1 if fits else max_seq_len // 2, long_prompts)
+    if fitted is None:
+        return None
+    text, cut = fitted
+    if phase == 1:
+        ids, start = encode_pair(fmt.tokenizer, text, rec.chosen, fmt.eot, max_seq_len, fmt, cut)
+        return {"input_ids": ids, "response_start": start}
+    if rec.rejected is None:
+        file, row = _where(rec)
+        policy.handle(DataError(file, row, "rejected", "missing (a reward model needs preference pairs)"))
+        return None
+    chosen, _ = encode_pair(fmt.tokenizer, text, rec.chosen, fmt.eot, max_seq_len, fmt, cut)
+    rejected, _ = encode_pair(fmt.tokenizer, text, rec.rejected, fmt.eot, max_seq_len, fmt, cut)
+    return {"chosen_ids": chosen, "rejected_ids": rejected}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -167,6 +193,7 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
                     eval_fraction=args.eval_fraction, max_eval=args.max_eval_samples,
                     tokenizer=[type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer),
                                tokenizer.padding_side], eot=args.end_of_conversation_token,
+                    prompt_format=args.prompt_format, long_prompts=args.long_prompts,
                     max_seq_len=max_seq_len, max_prompt=max_prompt, bad_rows=args.bad_rows,
                     sources=[_source_fingerprint(s) for s in args.data_path])
     path = Path(args.data_output_path) / f"{PHASES[phase]}_{key}.pt"
@@ -174,14 +201,16 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
         policy = BadRowPolicy(args.bad_rows)
         train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.seed,
                                               args.eval_fraction, policy)
-        if args.max_eval_samples:
-            eval_recs = eval_recs[:args.max_eval_samples]
+        long_prompts = LongPromptPolicy(args.long_prompts)
         kw = dict(eot=args.end_of_conversation_token, max_seq_len=max_seq_len, max_prompt_len=max_prompt,
-                  policy=policy)
+                  policy=policy, prompt_format=args.prompt_format, long_prompts=long_prompts)
         train = tokenize_phase(train_recs, phase, tokenizer, **kw)
-        evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw)
-        log.info("phase %d data: %d train / %d eval examples; %s", phase, len(train), len(evaluation),
-                 policy.summary())
+        # --max_eval_samples counts examples kept after the length rules, not records read
+        kept: list[Record] = []
+        evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw, limit=args.max_eval_samples, kept=kept)
+        eval_recs = kept
+        log.info("phase %d data: %d train / %d eval examples; %s; %s", phase, len(train), len(evaluation),
+                 long_prompts.summary("--max_prompt_seq_len" if phase == 3 else "--max_seq_len"), policy.summary())
         if not train:
             raise ValueError(f"no training examples left for phase {phase} ({PHASES[phase]}); {policy.summary()}")
         payload = {"train": train, "eval": evaluation, "eval_records": [r.to_dict() for r in eval_recs],

@@ -28,9 +28,24 @@ class Record:
 class DataError(ValueError):
     """A row of an input file that cannot be used.  The message names file, row and field."""
 
-    def __init__(self, file: str, row: int, field: str, reason: str):
+    def __init__(self, file: str, row: int, field: str, reason: str, note: str = ""):
         self.file, self.row, self.field, self.reason = file, row, field, reason
-        super().__init__(f"{file}: row {row}: field '{field}': {reason}")
+        super().__init__(f"{file}: row {row}: field '{field}': {reason}" + (f"\n{note}" if note else ""))
+
+    def with_note(self, note: str) -> DataError:
+        """The same error with a line of advice (e.g. how many more bad rows there are, how to skip them)."""
+        return DataError(self.file, self.row, self.field, self.reason, note)
+
+
+def bad_rows_note(later: Counter) -> str:
+    """What to tell a user whose run stopped on a bad row: the other bad rows of the source, and the flag."""
+    more = sum(later.values())
+    if not more:
+        text = "It is the only bad row of this source"
+    else:
+        kinds = "; ".join(f"{n} x field '{fld}': {why}" for (fld, why), n in later.most_common(3))
+        text = f"{more} more bad rows in this source ({kinds}{'; ...' if len(later) > 3 else ''})"
+    return f"{text}. Pass --bad_rows skip to drop bad rows and count them in the log."
 
 
 class BadRowPolicy:

@@ -31,15 +31,62 @@ def resolve_model_path(path: str) -> str:
     return str(embedded.prepare().model_dir)
 
 
-def load_tokenizer(path: str, end_of_conversation_token: str = "<|endoftext|>", padding_side: str = "right"):
-    """The policy tokenizer, with a pad token and the end-of-conversation token registered as special."""
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
-    if end_of_conversation_token and end_of_conversation_token not in tok.get_vocab():
-        tok.add_special_tokens({"additional_special_tokens": [end_of_conversation_token]})
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token if tok.eos_token is not None else end_of_conversation_token
+def load_tokenizer(path: str, end_of_conversation_token: str = "", padding_side: str = "right",
+                   add_eot_token: bool = False):
+    """The policy tokenizer with a pad token distinct from its EOS and end-of-conversation tokens.
+
+    ``add_eot_token`` registers a token that is not in the vocabulary as a new special token (DeepSpeed-Chat's
+    --add_eot_token; the embedding grows by one untrained row)."""
+    tok = _plain_tokenizer(path, end_of_conversation_token, add_eot_token)
+    _distinct_pad(tok, end_of_conversation_token)
     tok.padding_side = padding_side
     return tok
+
+
+def load_tokenizer_and_format(path: str, end_of_conversation_token: str = "", prompt_format: str = "auto",
+                              padding_side: str = "right", add_eot_token: bool = False):
+    """(tokenizer, :class:`~marlhf.data.formatting.ConversationFormat`) of a model folder: the flags win,
+    then what the folder records (a model trained here), then the tokenizer's own end-of-turn token."""
+    from marlhf.data.formatting import read_format, resolve_format
+
+    path = resolve_model_path(path)
+    recorded = read_format(path)
+    tok = _plain_tokenizer(path, end_of_conversation_token or recorded.get("end_of_conversation_token", ""),
+                           add_eot_token)
+    fmt = resolve_format(tok, recorded, end_of_conversation_token, prompt_format)
+    _distinct_pad(tok, fmt.end_of_conversation_token)
+    tok.padding_side = padding_side
+    return tok, fmt
+
+
+def _plain_tokenizer(path: str, end_of_conversation_token: str, add_eot_token: bool):
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    if add_eot_token and end_of_conversation_token and end_of_conversation_token not in tok.get_vocab():
+        tok.add_special_tokens({"additional_special_tokens": [end_of_conversation_token]})
+        log.warning("added %r to the vocabulary as a new special token (--add_eot_token)", end_of_conversation_token)
+    return tok
+
+
+def _distinct_pad(tok, end_of_conversation_token: str) -> None:
+    """Make the pad token differ from the EOS and end-of-conversation tokens.
+
+    Plain transformers' sequence classifier scores the last token that is not the pad token, so a pad equal
+    to the end token would move every exported reward model's score one token early (SmolLM2 and GPT-2 pad
+    with their EOS; Llama-3 has no pad).  The unknown token, which never ends a text, is used when there is
+    one; otherwise a ``<|pad|>`` special token is added (its embedding row is never read: padding is masked)."""
+    ends = {tok.eos_token_id}
+    if end_of_conversation_token:
+        ends.add(tok.convert_tokens_to_ids(end_of_conversation_token))
+    ends.discard(None)
+    if tok.pad_token_id is not None and tok.pad_token_id not in ends:
+        return
+    before = tok.pad_token
+    if tok.unk_token_id is not None and tok.unk_token_id not in ends:
+        tok.pad_token = tok.unk_token
+    else:
+        tok.add_special_tokens({"pad_token": "<|pad|>"})
+    log.info("pad token %r -> %r (distinct from the end-of-answer token, so reward scores are read at the right "
+             "position)", before, tok.pad_token)
 
 
 def _config(path: str, dropout: float | None, **extra):
@@ -58,7 +105,8 @@ def _fit_vocab(model: nn.Module, tokenizer) -> None:
         model.resize_token_embeddings(n)
 
 
-def load_causal_lm(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32):
+def load_causal_lm(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
+                   end_of_conversation_token: str = ""):
     path = resolve_model_path(path)
     cfg = _config(path, dropout)
     model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype)
@@ -67,14 +115,14 @@ def load_causal_lm(path: str, tokenizer, dropout: float | None = None, dtype: to
     model.config.use_cache = False
     if model.generation_config is not None:  # generation must stop at the end-of-conversation token too
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = stop_token_ids(tokenizer)
+        model.generation_config.eos_token_id = stop_token_ids(tokenizer, end_of_conversation_token)
     return model
 
 
-def stop_token_ids(tokenizer, end_of_conversation_token: str = "<|endoftext|>") -> list[int]:
+def stop_token_ids(tokenizer, end_of_conversation_token: str = "") -> list[int]:
     """Token ids that end an answer: the tokenizer's EOS and the end-of-conversation token."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    eot = tokenizer.convert_tokens_to_ids(end_of_conversation_token)
+    eot = tokenizer.convert_tokens_to_ids(end_of_conversation_token) if end_of_conversation_token else None
     if eot is not None and eot != tokenizer.unk_token_id and eot not in ids:
         ids.append(eot)
     return ids
@@ -160,7 +208,10 @@ def apply_lora(model: nn.Module, dim: int, module_names: str, only_optimize_lora
             p.requires_grad_(True)
     n_train = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in peft_model.parameters())
-    log.info("LoRA r=%d on %d modules; trainable %d / %d parameters", dim, len(cfg.target_modules), n_train, n_all)
+    from peft.tuners.lora import LoraLayer
+
+    n_modules = sum(isinstance(m, LoraLayer) for m in peft_model.modules())  # wrapped layers, not name patterns
+    log.info("LoRA r=%d on %d modules; trainable %d / %d parameters", dim, n_modules, n_train, n_all)
     return peft_model
 
 

@@ -96,7 +96,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     mb = args.per_device_training_batch_size
 
     # actor: the SFT policy, trained
-    actor = load_causal_lm(actor_path, tokenizer, args.actor_dropout)
+    actor = load_causal_lm(actor_path, tokenizer, args.actor_dropout,
+                           end_of_conversation_token=args.end_of_conversation_token)
     lora_dim = args.actor_lora_dim or args.lora_dim
     if lora_dim > 0:
         actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
@@ -115,7 +116,9 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
                         offload=args.offload_reference_model, dtype=args.dtype)
     ema = None
     if args.enable_ema:
-        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0), zero_stage=args.actor_zero_stage,
+        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0,
+                                           end_of_conversation_token=args.end_of_conversation_token),
+                            zero_stage=args.actor_zero_stage,
                             offload=args.offload_reference_model, dtype=args.dtype)
     # critic: the reward model as initial value function, trained
     critic = load_value_model(critic_path, tokenizer, args.critic_dropout)

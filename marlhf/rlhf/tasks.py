@@ -23,6 +23,7 @@ def ptx_items(args, tokenizer) -> list[dict] | None:
     if not args.unsupervised_dataset_name or args.unsup_coef == 0:
         return None
     from marlhf.data.adapters import load_records
+    from marlhf.data.formatting import LongPromptPolicy
     from marlhf.data.pipeline import tokenize_phase
 
     policy = BadRowPolicy(args.bad_rows)
@@ -30,6 +31,7 @@ def ptx_items(args, tokenizer) -> list[dict] | None:
     # the ptx batches are right-padded like SFT batches, independent of the prompt tokenizer's side
     items = tokenize_phase(records, 1, tokenizer, eot=args.end_of_conversation_token,
                            max_seq_len=args.max_prompt_seq_len + args.max_answer_seq_len,
-                           max_prompt_len=args.max_prompt_seq_len, policy=policy)
+                           max_prompt_len=args.max_prompt_seq_len, policy=policy, prompt_format=args.prompt_format,
+                           long_prompts=LongPromptPolicy(args.long_prompts))
     log.info("ptx data %s: %d examples; %s", args.unsupervised_dataset_name, len(items), policy.summary())
     return items

@@ -114,7 +114,8 @@ class MacroSegmenter:
             from marlhf.rlhf.parsing import ParseSegmenter
 
             self.parser = ParseSegmenter(kind=args.response_kind, backend=args.parser_backend,
-                                         cutoff=args.parser_cutoff, fallback_n=self.n or 5)
+                                         cutoff=args.parser_cutoff, fallback_n=self.n or 5,
+                                         model=args.parser_model or None)
         if self.rule == "word":
             from marlhf.models.tokenizer import word_start_table
 

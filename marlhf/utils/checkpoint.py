@@ -110,12 +110,15 @@ def gather_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tens
 
 
 def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, zero_stage: int = 0,
-              dtype: torch.dtype | None = None) -> None:
+              dtype: torch.dtype | None = None, conversation=None) -> None:
     """Write ``model`` (a DeepSpeed engine, peft model or plain transformers model) as a Hugging Face folder.
 
     Rank 0 rebuilds the architecture on the meta device, assigns the gathered weights, merges LoRA (and
     keeps the adapter in peft's format under ``lora_adapter/``), and writes config + safetensors +
     tokenizer into a temporary folder whose complete files are then moved into ``out_dir`` (config last).
+    ``conversation`` (a :class:`~marlhf.data.formatting.ConversationFormat`) is recorded beside them, so the
+    next step and the evaluation tools use the end token and prompt format this model was trained with.
+    The config keeps ``use_cache: true`` (training turns the KV cache off; inference wants it).
     All ranks must call this (ZeRO-3 gathering is collective)."""
     module = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
     state = gather_state_dict(module, zero_stage)
@@ -127,8 +130,13 @@ def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, zero_stage: int 
         clean = _rebuild(module, state, tmp)
         if dtype is not None:
             clean = clean.to(dtype)
+        clean.config.use_cache = True
         clean.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if conversation is not None:
+            from marlhf.data.formatting import write_format
+
+            write_format(tmp, conversation)
         out_dir.mkdir(parents=True, exist_ok=True)
         # move file by file: out_dir also holds logs and checkpoints, which must survive
         for entry in sorted(tmp.iterdir(), key=lambda e: e.name == "config.json"):  # config last

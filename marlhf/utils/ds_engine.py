@@ -84,13 +84,49 @@ def engine_from_args(model: nn.Module, args, total_steps: int, micro_batch: int,
     """A training engine configured by the flags of ``role``: "" reads --learning_rate, --zero_stage, ...
     (steps 1-2); "actor" / "critic" read --actor_learning_rate, --actor_zero_stage, ... (step 3)."""
     p = f"{role}_" if role else ""
-    return train_engine(model, lr=getattr(args, p + "learning_rate"), weight_decay=getattr(args, p + "weight_decay"),
+    lr = getattr(args, p + "learning_rate")
+    if lr is None:
+        n_params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
+        lr = default_learning_rate(_stage(args, role), n_params)
+    return train_engine(model, lr=lr, weight_decay=getattr(args, p + "weight_decay"),
                         lora_lr=args.lora_learning_rate, micro_batch=micro_batch,
                         grad_accum=args.gradient_accumulation_steps, zero_stage=getattr(args, p + "zero_stage"),
                         offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
                         warmup=warmup_steps(total_steps, args.num_warmup_steps, args.warmup_ratio),
                         total_steps=total_steps, gradient_checkpointing=getattr(args, p + "gradient_checkpointing"),
                         extra_config=extra_config)
+
+
+# Peak learning rates when none is given.  The embedded tiny model (a few million parameters) trains at
+# large rates; a real pretrained model gets the paper's Table 5 values for its size class (Gemma 2B / 7B /
+# 27B; smaller models take the 2B values), which a tiny-model rate would wreck.
+TINY_MODEL_PARAMS = 20_000_000
+TINY_LEARNING_RATES = {"sft": 1e-3, "reward": 5e-4, "actor": 1e-4, "critic": 1e-4}
+PAPER_LEARNING_RATES = (  # (largest parameter count of the class, rates)
+    (4e9, {"sft": 5e-5, "reward": 1e-5, "actor": 1.5e-5, "critic": 1.5e-5}),  # Gemma-2B (TL;DR / HH-RLHF)
+    (12e9, {"sft": 2e-5, "reward": 1e-6, "actor": 1e-6, "critic": 1e-6}),  # Gemma-7B
+    (math.inf, {"sft": 5e-6, "reward": 8e-6, "actor": 7e-7, "critic": 1e-6}),  # Gemma-2-27B
+)
+
+
+def default_learning_rate(stage: str, num_params: int) -> float:
+    """The learning rate of ``stage`` (sft / reward / actor / critic) for a model of ``num_params``, logged."""
+    if num_params < TINY_MODEL_PARAMS:
+        lr, why = TINY_LEARNING_RATES[stage], "the embedded tiny model's default"
+    else:
+        bound, rates = next((b, r) for b, r in PAPER_LEARNING_RATES if num_params <= b)
+        size = {4e9: "up to 4B (Gemma-2B)", 12e9: "4B-12B (Gemma-7B)"}.get(bound, "over 12B (Gemma-2-27B)")
+        lr, why = rates[stage], f"the paper's Table 5 value for {size} parameters"
+    log.info("%s learning rate %g: no learning rate given, %.1fM parameters -> %s", stage, lr, num_params / 1e6, why)
+    return lr
+
+
+def _stage(args, role: str) -> str:
+    if role:
+        return role
+    from marlhf.config import RewardArgs
+
+    return "reward" if isinstance(args, RewardArgs) else "sft"
 
 
 def _merge(config: dict, extra: dict) -> None:

@@ -8,7 +8,7 @@ With no --model_name_or_path the embedded tiny model is used (built offline on f
 
 from marlhf.config import SFTArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
-from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer
+from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer_and_format
 from marlhf.supervised import sft_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -18,16 +18,20 @@ def main(argv=None):
     args, _ = parse_args(SFTArgs, argv)
     setup_run(args)
     # 1. tokenizer and the SFT share of the data (tokenized once, cached under --data_output_path)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.end_of_conversation_token)
+    #    (end-of-answer token and prompt format: the flags, else the model folder's own; recorded on export)
+    tokenizer, fmt = load_tokenizer_and_format(args.model_name_or_path, args.end_of_conversation_token,
+                                               args.prompt_format, add_eot_token=args.add_eot_token)
+    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
     data = build_phase_data(args, tokenizer, phase=1)
     # 2. the policy, optionally with LoRA adapters
-    model = load_causal_lm(args.model_name_or_path, tokenizer, args.dropout)
+    model = load_causal_lm(args.model_name_or_path, tokenizer, args.dropout,
+                           end_of_conversation_token=fmt.end_of_conversation_token)
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
     # 3. train under DeepSpeed (evaluates perplexity, checkpoints, resumes)
     engine = train(args, model, tokenizer, data.train, data.eval, sft_objective(tokenizer.pad_token_id))
     # 4. export a plain Hugging Face model (ZeRO-3 weights gathered, LoRA merged)
-    export_hf(engine, tokenizer, args.output_dir, args.zero_stage)
+    export_hf(engine, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ token) and, in step 3, as both the critic and the reward model.
 
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
-from marlhf.models.loading import apply_lora, load_tokenizer, load_value_model
+from marlhf.models.loading import apply_lora, load_tokenizer_and_format, load_value_model
 from marlhf.supervised import reward_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -19,7 +19,9 @@ def main(argv=None):
     args, _ = parse_args(RewardArgs, argv)
     setup_run(args)
     # 1. tokenizer and the reward-model share of the data: (chosen, rejected) pairs
-    tokenizer = load_tokenizer(args.model_name_or_path, args.end_of_conversation_token)
+    tokenizer, fmt = load_tokenizer_and_format(args.model_name_or_path, args.end_of_conversation_token,
+                                               args.prompt_format, add_eot_token=args.add_eot_token)
+    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
     data = build_phase_data(args, tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue)
     model = load_value_model(args.model_name_or_path, tokenizer, args.dropout)
@@ -28,7 +30,7 @@ def main(argv=None):
     # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)
     engine = train(args, model, tokenizer, data.train, data.eval, reward_objective(tokenizer.pad_token_id))
     # 4. export as a Hugging Face sequence-classification model
-    export_hf(engine, tokenizer, args.output_dir, args.zero_stage)
+    export_hf(engine, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@
     python rw_eval.py --model_name_or_path out/rm --prompt "POST: ...\\nTL;DR:" \\
         --response " a summary" --response " another summary"
     python rw_eval.py --model_name_or_path out/rm --input pairs.jsonl --output scores.jsonl
+    python rw_eval.py --model_name_or_path out/rm --data_path Anthropic/hh-rlhf:/data/hh-rlhf
 
 An input file (json, jsonl or parquet) has rows with `prompt` and either `response`, or `chosen` and
-`rejected` (then the pair accuracy is reported too). Responses get the end-of-conversation token
-appended, as in training.
+`rejected` (then the pair accuracy is reported too).  ``--data_path`` takes the dataset specs of training
+(hub names, NAME:LOCAL_PATH, files, synthetic) and scores the evaluation pairs step 2 evaluates on (the
+test split, or the same held-out slice under the same --data_split / --seed / --eval_fraction).
+Prompts are formatted and responses end with the end-of-conversation token exactly as in training: both
+are read from the model folder (conversation_format.json); the flags only override them.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from pathlib import Path
 
 import torch
 
+from marlhf.config import BaseArgs
 from marlhf.data.adapters.files import iter_file_rows
-from marlhf.data.records import DataError, require_text
-from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
+from marlhf.data.formatting import LongPromptPolicy
+from marlhf.data.pipeline import _pad, phase_records, tokenize_phase
+from marlhf.data.records import BadRowPolicy, DataError, Record, require_text
+from marlhf.models.loading import load_tokenizer_and_format, load_value_model, sequence_scores
 
 
 def parse_args(argv=None):
@@ -30,27 +37,53 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default=None)
     p.add_argument("--response", action="append", default=[])
     p.add_argument("--input", default=None, help="JSON lines with prompt + response, or prompt + chosen + rejected")
+    p.add_argument("--data_path", nargs="+", default=None,
+                   help="Dataset specs as in training; their evaluation pairs are scored")
+    p.add_argument("--data_split", default=BaseArgs.data_split)
+    p.add_argument("--seed", type=int, default=BaseArgs.seed)
+    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
+    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
+    p.add_argument("--max_eval_samples", type=int, default=0, help="Score at most this many pairs (0 = all)")
     p.add_argument("--output", default=None, help="Write one JSON line of scores per input row here")
-    p.add_argument("--end_of_conversation_token", default="<|endoftext|>")
+    p.add_argument("--end_of_conversation_token", default="",
+                   help="Default: the one recorded with the model (else the tokenizer's own)")
+    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"),
+                   help="Default: the one recorded with the model")
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=16)
     return p.parse_args(argv)
 
 
 class Scorer:
-    def __init__(self, path: str, eot: str, max_seq_len: int):
-        self.tok = load_tokenizer(path, eot)
+    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
+        self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
         self.model = load_value_model(path, self.tok).eval()
-        self.eot, self.max_len = eot, max_seq_len
+        self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
+        """Scores of prompt + response + end token, tokenized as step 2 tokenizes them (prompt format, length
+        limit, long prompts truncated from the left)."""
+        records = [Record(p, r, None, f"<input>:{i}") for i, (p, r) in enumerate(zip(prompts, responses), 1)]
+        items = tokenize_phase(records, 1, self.tok, eot=self.eot, max_seq_len=self.max_len, max_prompt_len=0,
+                               policy=BadRowPolicy(), prompt_format=self.format.prompt_format,
+                               long_prompts=LongPromptPolicy("truncate"))
         out = []
-        for i in range(0, len(prompts), batch_size):
-            texts = [p + r + self.eot for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
-            enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_len)
-            out += sequence_scores(self.model, enc["input_ids"], enc["attention_mask"]).tolist()
+        for i in range(0, len(items), batch_size):
+            ids, mask = _pad([x["input_ids"] for x in items[i:i + batch_size]], self.tok.pad_token_id)
+            out += sequence_scores(self.model, ids, mask).tolist()
         return out
+
+
+def dataset_rows(args) -> list[dict]:
+    """The evaluation pairs of ``--data_path`` as step 2 evaluates them, as prompt/chosen/rejected rows."""
+    policy = BadRowPolicy(args.bad_rows)
+    _, records = phase_records(args.data_path, args.data_split, 2, args.seed, args.eval_fraction, policy)
+    rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} if r.rejected is not None
+            else {"prompt": r.prompt, "response": r.chosen} for r in records]
+    if policy.num_skipped:
+        print(policy.summary(), file=sys.stderr)
+    return rows[:args.max_eval_samples] if args.max_eval_samples else rows
 
 
 def read_rows(path: str) -> list[dict]:
@@ -68,9 +101,9 @@ def read_rows(path: str) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    scorer = Scorer(args.model_name_or_path, args.end_of_conversation_token, args.max_seq_len)
-    if args.input:
-        rows = read_rows(args.input)
+    scorer = Scorer(args.model_name_or_path, args.end_of_conversation_token, args.max_seq_len, args.prompt_format)
+    if args.input or args.data_path:
+        rows = read_rows(args.input) if args.input else dataset_rows(args)
         results = []
         singles = [r for r in rows if "response" in r]
         pairs = [r for r in rows if "response" not in r]
@@ -91,7 +124,7 @@ def main(argv=None) -> int:
                 f.writelines(json.dumps(r) + "\n" for r in results)
         return 0
     if args.prompt is None or not args.response:
-        print("give --prompt and one or more --response, or --input FILE", file=sys.stderr)
+        print("give --prompt and one or more --response, --input FILE or --data_path SPEC", file=sys.stderr)
         return 2
     for response, score in zip(args.response, scorer([args.prompt] * len(args.response), args.response)):
         print(f"{score:+.4f}\t{response!r}")

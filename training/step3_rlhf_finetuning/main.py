@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 from marlhf.config import RLHFArgs, parse_args
+from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
-from marlhf.models.loading import load_tokenizer
+from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
 from marlhf.rlhf.trainer import MAPPOTrainer, evaluate_policy
@@ -26,7 +27,12 @@ def main(argv=None):
     args, _ = parse_args(RLHFArgs, argv)
     setup_run(args)
     # 1. tokenizer (left padding for generation) and the RLHF share of the prompts
-    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.end_of_conversation_token, padding_side="left")
+    #    (end-of-answer token and prompt format: the flags, else what step 1 recorded in the actor's folder)
+    tokenizer, fmt = load_tokenizer_and_format(args.actor_model_name_or_path, args.end_of_conversation_token,
+                                               args.prompt_format, padding_side="left",
+                                               add_eot_token=args.add_eot_token)
+    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    check_same_format(fmt, args.critic_model_name_or_path, args.reward_model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=3)
     _, total_steps = plan_steps(len(data.train), args.per_device_generation_batch_size, args.generation_batches,
                                 args.num_train_epochs, args.max_steps, what="prompts")
@@ -48,10 +54,10 @@ def main(argv=None):
     after = evaluate_policy(rlhf.actor, rlhf.reward, tokenizer, data.eval, args, gold)
     # 4. export actor / critic / EMA as Hugging Face folders and write the summary
     out = Path(args.output_dir)
-    export_hf(rlhf.actor, tokenizer, out / "actor", args.actor_zero_stage)
-    export_hf(rlhf.critic, tokenizer, out / "critic", args.critic_zero_stage)
+    export_hf(rlhf.actor, tokenizer, out / "actor", args.actor_zero_stage, conversation=fmt)
+    export_hf(rlhf.critic, tokenizer, out / "critic", args.critic_zero_stage, conversation=fmt)
     if rlhf.ema is not None:
-        export_hf(rlhf.ema, tokenizer, out / "actor_ema", args.actor_zero_stage)
+        export_hf(rlhf.ema, tokenizer, out / "actor_ema", args.actor_zero_stage, conversation=fmt)
     if dist.is_main():
         summary = {"steps": steps, "initial_policy": before, "final_policy": after}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

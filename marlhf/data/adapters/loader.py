@@ -35,7 +35,7 @@ from marlhf.data.adapters.rows import (
     summarize_row,
     webgpt_row,
 )
-from marlhf.data.records import BadRowPolicy, DataError, Record
+from marlhf.data.records import BadRowPolicy, DataError, Record, bad_rows_note
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ def parse_spec(spec: str) -> tuple[str, Adapter | None, str]:
 def _convert(rows: Iterable[files.Row], row_fn: RowFn, policy: BadRowPolicy, drops: Counter) -> list[Record]:
     """Apply ``row_fn`` to every row; bad rows go to the policy, dropped rows to ``drops``."""
     records: list[Record] = []
+    first: DataError | None = None  # --bad_rows error: the first bad row, raised after counting the others
+    later: Counter = Counter()
     for file, index, row in rows:
         try:
             if isinstance(row, DataError):
@@ -183,12 +185,19 @@ def _convert(rows: Iterable[files.Row], row_fn: RowFn, policy: BadRowPolicy, dro
                 raise DataError(file, index, "<row>", f"expected an object, got {type(row).__name__}")
             out = row_fn(row, file, index)
         except DataError as err:
-            policy.handle(err)
+            if policy.mode != "error":
+                policy.handle(err)
+            elif first is None:
+                first = err
+            else:
+                later[(err.field, err.reason)] += 1
             continue
         except DroppedRow as drop:
             drops[(file, drop.field, drop.reason)] += 1
             continue
         records.extend(out if isinstance(out, list) else [out])
+    if first is not None:
+        raise first.with_note(bad_rows_note(later))
     return records
 
 

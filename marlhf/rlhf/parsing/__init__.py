@@ -1,6 +1,7 @@
 """Parsing-based termination rule for macro actions (paper Appendix B.4, item 3).
 
-    seg = ParseSegmenter(kind="text")              # spaCy (or benepar if a model is installed)
+    seg = ParseSegmenter(kind="text")              # spaCy (or benepar if benepar_en3 is installed)
+    seg = ParseSegmenter(kind="text", backend="benepar", model=None)  # released model, else project-built
     starts, fell_back = seg.starts(texts, offsets, T)  # (B, T) bool, (B,) bool
     seg.stats()                                    # fallback counters for the logs
 """

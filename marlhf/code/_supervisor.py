@@ -1,0 +1,322 @@
+"""The sandbox supervisor: runs one program against a list of test inputs, each in a fresh jail.
+
+Started by :mod:`marlhf.code.sandbox` as ``python -I -S _supervisor.py`` in its own session, with a JSON
+job on stdin; prints one JSON line of raw outcomes (exit status, captured output) on stdout.  It imports
+only the standard library and never imports the project, so it runs the same under any interpreter.
+
+Process tree per test (``isolation`` "root" or "userns"):
+
+    supervisor (child subreaper)
+      └─ C: unshare(mount, network, pid [, user]) and build the mounts    own process group
+           └─ P: pid 1 of the new pid namespace, mounts a private /proc    same process group as C
+                └─ Q: the program: setsid, rlimits, unprivileged uid, exec python harness
+
+When P exits (the program finished or was killed) the kernel kills everything left in the pid
+namespace, so a detached grandchild (double fork + setsid) cannot outlive its test.  On a timeout or an
+output overflow the supervisor SIGKILLs C's process group (C and P), which tears the namespace down.
+With isolation "none" there are no namespaces: the supervisor is a child subreaper, so every orphan
+re-parents to it and the sweep after each test kills them.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
+
+SETUP_FAILED = 125  # exit code of C/P/Q when the jail could not be built (the reason goes to the setup pipe)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare(flags):
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {source} -> {target}")
+
+
+def prctl(option, value):
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), 0, 0, 0), "prctl")
+
+
+# ------------------------------------------------------------------------------------------- inside the jail
+def build_mounts(job, test_dir):
+    """Mount namespace of one test: everything read-only except its own empty directory.
+
+    The test's directory is bound over /tmp (the program's cwd and HOME); /var/tmp becomes a read-only
+    tmpfs holding the interpreter (``py``) and the harness + program (``code``); /dev/shm an empty
+    read-only tmpfs;
+    finally the root filesystem is remounted read-only, so no path outside /tmp is writable.
+    """
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", "/var/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+    for name, source in (("py", job["python_prefix"]), ("code", job["code_dir"])):
+        os.mkdir("/var/tmp/" + name)
+        mount(source, "/var/tmp/" + name, None, MS_BIND | MS_REC)
+        mount(None, "/var/tmp/" + name, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    mount(None, "/var/tmp", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    mount(test_dir, "/tmp", None, MS_BIND)  # last: the sources above may live under /tmp
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=755")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+
+
+def set_limits(limits):
+    cpu = int(limits["cpu_s"])
+    for res, value in (
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
+        (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
+        (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
+        (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
+        (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
+        resource.setrlimit(res, value)
+
+
+def exec_program(job, stdin_fd, out_fd, err_fd, setup_fd, in_jail):
+    """Q: become the program.  Never returns.  ``setup_fd`` is close-on-exec: it closes on success."""
+    os.setsid()
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.closerange(3, setup_fd)
+    os.closerange(setup_fd + 1, 65536)
+    work = "/tmp" if in_jail else job["test_dir"]
+    code = "/var/tmp/code" if in_jail else job["code_dir"]
+    python = job["python_in_jail"] if in_jail else job["python"]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work}
+    if in_jail and job["python_libdir_in_jail"]:
+        env["LD_LIBRARY_PATH"] = job["python_libdir_in_jail"]
+    os.chdir(work)
+    set_limits(job["limits"])
+    if job["uid"] is not None:  # last: setting limits above needs privileges the program must not keep
+        os.setgroups([])
+        os.setresgid(job["uid"], job["uid"], job["uid"])
+        os.setresuid(job["uid"], job["uid"], job["uid"])
+    argv = [python, "-I", code + "/harness.py", code + "/program.py", job["test"]["kind"],
+            job["test"].get("fn_name") or "", "0" if in_jail else "1"]
+    os.execve(python, argv, env)
+
+
+def jail_init(job, stdin_fd, out_fd, err_fd, setup_fd, in_jail):
+    """P: pid 1 of the test's pid namespace; runs the program and reports its status as an exit code."""
+    if in_jail:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV)  # the program sees only its own processes
+    q = os.fork()
+    if q == 0:
+        try:
+            exec_program(job, stdin_fd, out_fd, err_fd, setup_fd, in_jail)
+        except BaseException as err:  # noqa: BLE001 - any failure before exec is the sandbox's, not the program's
+            os.write(setup_fd, f"{err!r}\n".encode())
+        os._exit(SETUP_FAILED)
+    for fd in (stdin_fd, out_fd, err_fd, setup_fd):
+        os.close(fd)
+    while True:  # as pid 1 we also reap re-parented orphans until the program itself exits
+        pid, status = os.waitpid(-1, 0)
+        if pid == q:
+            return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def jail(job, stdin_fd, out_fd, err_fd, setup_fd):
+    """C: build the namespaces, start P, exit with P's code."""
+    os.setpgid(0, 0)
+    isolation = job["isolation"]
+    in_jail = isolation != "none"
+    if isolation == "root":
+        unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID)
+    elif isolation == "userns":
+        uid, gid = os.getuid(), os.getgid()
+        unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID)
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"0 {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"0 {gid} 1")
+    if in_jail:
+        build_mounts(job, job["test_dir"])
+    p = os.fork()
+    if p == 0:
+        code = SETUP_FAILED
+        try:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # C killed on timeout -> P (and the namespace) dies
+            code = jail_init(job, stdin_fd, out_fd, err_fd, setup_fd, in_jail)
+        except BaseException as err:  # noqa: BLE001
+            os.write(setup_fd, f"{err!r}\n".encode())
+        os._exit(code)
+    for fd in (stdin_fd, out_fd, err_fd, setup_fd):
+        os.close(fd)
+    _, status = os.waitpid(p, 0)
+    os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+# ------------------------------------------------------------------------------------------- the supervisor
+def children_of(pid):
+    """Pids whose parent is ``pid`` (orphans re-parented to us as the subreaper included)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(b")") + 2:].split()
+            if int(fields[1]) == pid:
+                found.append(int(name))
+    return found
+
+
+def sweep():
+    """Kill and reap every remaining descendant (each is our child: we are the subreaper)."""
+    me = os.getpid()
+    quiet_rounds = 0
+    while quiet_rounds < 2:  # a dying parent may hand us new orphans: stop after two empty rounds
+        pids = children_of(me)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG if not pids else 0)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        quiet_rounds = quiet_rounds + 1 if not pids else 0
+
+
+def run_test(job, test, index):
+    limits = job["limits"]
+    test_dir = os.path.join(job["work_dir"], f"test{index}")
+    os.mkdir(test_dir, 0o700)
+    if job["uid"] is not None:
+        os.chown(test_dir, job["uid"], job["uid"])
+    stdin_fd = os.memfd_create("stdin")
+    data = test["stdin"].encode()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(stdin_fd, view):]
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    r_out, w_out = os.pipe()
+    r_err, w_err = os.pipe()
+    r_setup, w_setup = os.pipe()  # close-on-exec: stays empty unless building the jail failed
+    start = time.monotonic()
+    c = os.fork()
+    if c == 0:
+        try:
+            os.close(r_out)
+            os.close(r_err)
+            os.close(r_setup)
+            jail(dict(job, test=test, test_dir=test_dir), stdin_fd, w_out, w_err, w_setup)
+        except BaseException as err:  # noqa: BLE001
+            os.write(w_setup, f"{err!r}\n".encode())
+        os._exit(SETUP_FAILED)
+    for fd in (stdin_fd, w_out, w_err, w_setup):
+        os.close(fd)
+    pidfd = os.pidfd_open(c)
+    out, err = bytearray(), bytearray()
+    err_cap = 4096
+    state, status = "running", None
+    open_fds = {r_out, r_err}
+    deadline = start + limits["time_s"]
+    while state == "running":
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            state = "timeout"
+            break
+        ready, _, _ = select.select([*open_fds, pidfd], [], [], remaining)
+        for fd in ready:
+            if fd == pidfd:
+                _, status = os.waitpid(c, 0)
+                state = "exited"
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+            elif fd == r_out:
+                out += chunk
+                if len(out) > limits["output_bytes"]:
+                    state = "output_limit"
+            else:
+                err += chunk
+                del err[:-err_cap]  # keep the tail: the traceback's last line says what went wrong
+    if state != "exited":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c, signal.SIGKILL)  # C and P: the pid namespace dies with P
+        _, status = os.waitpid(c, 0)
+    wall = time.monotonic() - start
+    sweep()
+    # Every writer is dead now: drain what is left in the pipes (bounded by the caps).
+    for fd in (r_out, r_err):
+        while state in ("exited", "timeout") and select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            if fd == r_out:
+                out += chunk
+                if len(out) > limits["output_bytes"]:
+                    state = "output_limit"
+            else:
+                err += chunk
+                del err[:-err_cap]
+        os.close(fd)
+    os.close(pidfd)
+    setup_error = b""
+    while select.select([r_setup], [], [], 0)[0]:
+        chunk = os.read(r_setup, 4096)
+        if not chunk:
+            break
+        setup_error += chunk
+    os.close(r_setup)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    return {
+        "state": state,
+        "exit_code": code,
+        "stdout": bytes(out[: limits["output_bytes"]]).decode("utf-8", "replace"),
+        "stderr_tail": bytes(err).decode("utf-8", "replace"),
+        "wall_s": wall,
+        "setup_error": setup_error.decode("utf-8", "replace"),
+    }
+
+
+def main():
+    job = json.loads(sys.stdin.read())
+    # A uid of its own per supervisor (pids are unique among live processes): RLIMIT_NPROC counts the
+    # processes of one uid, so concurrent runs must not share one.
+    job["uid"] = None if job["uid_base"] is None else job["uid_base"] + os.getpid()
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    results = [run_test(job, test, job["first_index"] + i) for i, test in enumerate(job["tests"])]
+    sys.stdout.write(json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()

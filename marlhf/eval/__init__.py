@@ -1,0 +1,1 @@
+"""Evaluation: pass@k for programs, pairwise judges and their win rates."""
