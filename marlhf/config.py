@@ -321,6 +321,17 @@ def parse_args(cls: type[BaseArgs], argv: list[str] | None = None):
 
     Returns ``(args, namespace)``: the typed config, and the raw namespace holding DeepSpeed's extra flags.
     """
+    from marlhf.errors import ConfigError
+
+    try:
+        return _parse_args(cls, argv)
+    except (ValueError, OSError) as err:  # bad values / combinations, unreadable --config: the user's to fix
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from err
+
+
+def _parse_args(cls: type[BaseArgs], argv: list[str] | None):
     parser = build_parser(cls)
     pre, _ = parser.parse_known_args(argv)
     if pre.config:

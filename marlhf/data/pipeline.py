@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from marlhf.data.records import BadRowPolicy, DataError, Record
+from marlhf.errors import ConfigError
 from marlhf.utils import dist
 
 log = logging.getLogger("marlhf")
@@ -63,7 +64,7 @@ def phase_records(specs: list[str], data_split: str, phase: int, seed: int, eval
     for spec in specs:
         records = load_records(spec, split="train", bad_rows=policy)
         if not records:
-            raise ValueError(f"dataset {spec!r} has no usable training rows")
+            raise ConfigError(f"dataset {spec!r} has no usable training rows")
         test = load_records(spec, split="test", bad_rows=policy)
         if test is None:
             keep, held = holdout_indices(len(records), eval_fraction, seed)
@@ -122,6 +123,10 @@ def tokenize_phase(records: list[Record], phase: int, tokenizer, *, eot: str, ma
             if rec.rejected is None:
                 file, row = _where(rec)
                 policy.handle(DataError(file, row, "rejected", "missing (a reward model needs preference pairs)"))
+                continue
+            if rec.rejected == rec.chosen:  # no preference to learn from; the pairwise loss would be log 2
+                file, row = _where(rec)
+                policy.handle(DataError(file, row, "rejected", "identical to 'chosen' (no preference to learn)"))
                 continue
             chosen, _ = encode_pair(tokenizer, rec.prompt, rec.chosen, eot, max_seq_len)
             rejected, _ = encode_pair(tokenizer, rec.prompt, rec.rejected, eot, max_seq_len)
@@ -302,7 +307,7 @@ def plan_steps(num_items: int, batch_size: int, batches_per_step: int, epochs: i
     per_rank = math.ceil(num_items / dist.world_size())
     steps_per_epoch = math.ceil(per_rank / batch_size) // batches_per_step
     if steps_per_epoch == 0:
-        raise ValueError(f"{num_items} {what} are too few for one optimizer step (batch {batch_size} x "
+        raise ConfigError(f"{num_items} {what} are too few for one optimizer step (batch {batch_size} x "
                          f"{batches_per_step} batches per step x {dist.world_size()} ranks)")
     total = steps_per_epoch * epochs
     return steps_per_epoch, min(total, max_steps) if max_steps else total

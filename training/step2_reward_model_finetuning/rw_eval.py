@@ -21,6 +21,7 @@ import torch
 
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.records import DataError, require_text
+from marlhf.errors import run_cli
 from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
 
 
@@ -34,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--end_of_conversation_token", default="<|endoftext|>")
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors (bad file, missing model)")
     return p.parse_args(argv)
 
 
@@ -99,4 +101,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))
