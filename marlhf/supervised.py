@@ -172,6 +172,7 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
             if args.save_steps and step % args.save_steps == 0:
                 checkpoint.save_checkpoint(ckpt_root, {objective.name: engine}, step,
                                            {"epoch": epoch, "batches_done": done_in_epoch}, args.keep_checkpoints)
+            checkpoint.pause_point("step", step)  # (tests) a kill between two checkpoints
         if done_in_epoch >= steps_per_epoch:  # epoch finished
             epoch, done_in_epoch = epoch + 1, 0
             if not (args.eval_interval and step % args.eval_interval == 0):
