@@ -10,6 +10,7 @@ One step of :meth:`MAPPOTrainer.train`:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -102,6 +103,12 @@ def generate(actor, prompt_ids, prompt_mask, args, stop_ids, pad_id) -> torch.Te
     return seq
 
 
+def stream_seed(*parts: int) -> int:
+    """A 63-bit seed that differs for every tuple of integers (no arithmetic collisions like a*101 + b)."""
+    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class MacroSegmenter:
     """``--termination_condition`` as one call: answers → segment ids (B, A) (+ parse fallbacks counted)."""
 
@@ -121,11 +128,15 @@ class MacroSegmenter:
 
             self.word_table = word_start_table(tokenizer)
 
-    def __call__(self, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor, step: int):
-        """Segment ids (B, A) and the number of samples whose parse fell back to fixed n-grams."""
+    def __call__(self, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor, step: int,
+                 batch: int = 0):
+        """Segment ids (B, A) and the number of samples whose parse fell back to fixed n-grams.
+
+        The randomized rule draws from a generator seeded by (seed, step, generation batch, rank), so row i
+        of every generation batch on every rank gets its own boundaries, and a resumed run the same ones."""
         split_last = self.args.macro_reward == "compat"
         if self.rule != "parsing":
-            gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step * 101 + dist.rank())
+            gen = torch.Generator().manual_seed(stream_seed(self.args.seed, step, batch, dist.rank()))
             seg = macro.segments_for_rule(self.rule, mask, ngram=self.n, repeat_times=self.args.repeat_times,
                                           generator=gen, ref_logprobs=ref_logprobs, input_ids=answer,
                                           word_start_table=self.word_table, split_last=split_last)
@@ -169,7 +180,8 @@ class MAPPOTrainer:
 
     # -- 2. experience ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def make_experience(self, prompt_ids, prompt_mask, step: int) -> tuple[Experience, dict]:
+    def make_experience(self, prompt_ids, prompt_mask, step: int, batch: int = 0) -> tuple[Experience, dict]:
+        """Generate, score and segment answers to one prompt batch (``batch``: its index in the step)."""
         a = self.args
         t0 = time.time()
         seq = generate(self.rlhf.actor, prompt_ids, prompt_mask, a, self.stop_ids, self.pad_id)
@@ -198,7 +210,7 @@ class MAPPOTrainer:
         loss_mask = mask & valid[:, None]
         rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, a.kl_ctl, a.clip_reward_value)
         t1 = time.time()
-        seg, fallbacks = self.segmenter(answer, loss_mask, ref_logprobs, step)
+        seg, fallbacks = self.segmenter(answer, loss_mask, ref_logprobs, step, batch)
         advantages, returns, mstats = compute_advantages(values, rewards, loss_mask, seg, a.value_function,
                                                          a.macro_reward, a.gamma, a.lam, a.whiten_advantages)
         macro_time = time.time() - t1
@@ -297,9 +309,9 @@ class MAPPOTrainer:
             while done < steps_per_epoch and step < total:
                 # 1-3. experience for --generation_batches prompt batches
                 exps, gen_stats = [], []
-                for _ in range(a.generation_batches):
+                for k in range(a.generation_batches):
                     batch = next(it)
-                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step)
+                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step, k)
                     exps.append(exp)
                     gen_stats.append(s)
                 done += 1
