@@ -201,7 +201,7 @@ def test_a_non_finite_batch_is_skipped_as_if_it_was_not_there(nano, experience, 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_and_drop_one_ranks_nan_together(experience, one_step):
     work, _ = experience
-    run_launcher([*deepspeed_cmd(2, 29651), str(REPO / "tests/ppo_harness.py"), str(work)], timeout=500,
+    run_launcher([*deepspeed_cmd(2, 29661), str(REPO / "tests/ppo_harness.py"), str(work)], timeout=500,
                  env={"PYTHONPATH": str(REPO)})
     res = torch.load(work / "two_ranks.pt", weights_only=False)
     # 2 ranks x micro-batch 4 (actor ZeRO-2, critic ZeRO-0) == one rank, micro-batch 8
