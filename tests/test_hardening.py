@@ -3,6 +3,7 @@ for bf16 callers, empty batches and NaN padding, and per-generation-batch seedin
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -128,3 +129,43 @@ def test_stream_seeds_do_not_collide(parts):
     from marlhf.rlhf.trainer import stream_seed
 
     assert stream_seed(*parts) != stream_seed(0, 0, 0, 0) and stream_seed(*parts) == stream_seed(*parts)
+
+
+# --------------------------------------------------------------------------------------- plain-text ptx
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
+    from marlhf.data.pipeline import SFTCollator
+    from marlhf.models.loading import load_tokenizer
+    from marlhf.rlhf.tasks import ptx_items
+
+    docs = ["The cat sat on the mat. " * 6, "A second document, about dogs and parks. " * 5, "Short one."]
+    if kind == "txt":
+        path = tmp_path / "corpus.txt"
+        path.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(docs).encode())
+    else:
+        path = tmp_path / "corpus.jsonl"
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = load_tokenizer("")
+    args = SimpleNamespace(unsupervised_dataset_name=str(path), unsup_coef=1.0, bad_rows="error",
+                           max_prompt_seq_len=24, max_answer_seq_len=16, end_of_conversation_token="<|endoftext|>")
+    items = ptx_items(args, tok)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    expected = []
+    for d in docs:
+        text = d.strip() if kind == "txt" else d  # paragraphs of a .txt are stripped, json text kept as is
+        expected += tok(text, add_special_tokens=False)["input_ids"] + [eot]
+    assert [t for it in items for t in it["input_ids"]] == expected  # nothing dropped, nothing reordered
+    assert all(len(it["input_ids"]) == 40 for it in items[:-1])  # blocks of max_prompt + max_answer tokens
+    batch = SFTCollator(tok.pad_token_id)(items)
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["labels"] != -100, real)  # loss on every token (only padding ignored)
+
+
+def test_prompt_chosen_ptx_data_keeps_the_response_loss(embedded):
+    from marlhf.models.loading import load_tokenizer
+    from marlhf.rlhf.tasks import ptx_items
+
+    args = SimpleNamespace(unsupervised_dataset_name="synthetic:num_records=50", unsup_coef=1.0, bad_rows="error",
+                           max_prompt_seq_len=160, max_answer_seq_len=64, end_of_conversation_token="<|endoftext|>")
+    items = ptx_items(args, load_tokenizer(""))
+    assert items and all(it["response_start"] > 0 for it in items)
