@@ -91,6 +91,14 @@ class BaseArgs:
     enable_tensorboard: bool = opt(False, "Write TensorBoard event files.")
     tensorboard_path: str = opt("", "TensorBoard directory (default: <output_dir>/tensorboard).")
     disable_progress_bar: bool = opt(False, "No tqdm progress bar (logs still printed).")
+    # --- robustness (docs/design.md "One optimizer step") ----------------------------------------------
+    loss_aggregation: str = opt("token_mean", "token_mean: each optimizer step averages the loss over every real "
+                                "token (pair, for the reward model) of its micro-batches on all ranks, so the "
+                                "update does not depend on how the batch is cut; microbatch_mean: the mean of "
+                                "per-micro-batch means (DeepSpeed-Chat).", choices=("token_mean", "microbatch_mean"))
+    max_skipped_steps: int = opt(10, "Optimizer updates with a non-finite loss or gradient are dropped on every rank; "
+                                 "stop after this many consecutive training steps with a dropped update (0 = never).")
+    debug: bool = opt(False, "Show Python tracebacks for user errors (bad data, flags, paths) too.")
 
     def validate(self) -> None:
         """Check cross-field constraints once, so the training code can trust its config."""
@@ -225,6 +233,15 @@ class RLHFArgs(BaseArgs):
         if self.per_device_training_batch_size > self.per_device_generation_batch_size * self.generation_batches:
             raise ValueError("--per_device_training_batch_size cannot exceed the experiences collected per update "
                              "(--per_device_generation_batch_size x --generation_batches)")
+        if self.loss_aggregation == "token_mean" and self.gradient_accumulation_steps > 1:
+            micro = math.ceil(self.per_device_generation_batch_size / self.per_device_training_batch_size)
+            micro *= self.generation_batches * self.ppo_epochs
+            if micro % self.gradient_accumulation_steps:
+                raise ValueError(f"--loss_aggregation token_mean needs each PPO update's {micro} micro-batches to "
+                                 f"fill whole windows of --gradient_accumulation_steps "
+                                 f"{self.gradient_accumulation_steps} (a token mean over a window that spans two "
+                                 f"updates cannot be known in advance); change the batch sizes or use "
+                                 f"--loss_aggregation microbatch_mean")
 
     @property
     def ngram_n(self) -> int | None:
@@ -321,6 +338,17 @@ def parse_args(cls: type[BaseArgs], argv: list[str] | None = None):
 
     Returns ``(args, namespace)``: the typed config, and the raw namespace holding DeepSpeed's extra flags.
     """
+    from marlhf.errors import ConfigError
+
+    try:
+        return _parse_args(cls, argv)
+    except (ValueError, OSError) as err:  # bad values / combinations, unreadable --config: the user's to fix
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from err
+
+
+def _parse_args(cls: type[BaseArgs], argv: list[str] | None):
     parser = build_parser(cls)
     pre, _ = parser.parse_known_args(argv)
     if pre.config:

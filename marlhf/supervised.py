@@ -21,6 +21,7 @@ from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, ma
 from marlhf.models.loading import sequence_scores
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.ds_engine import engine_from_args
+from marlhf.utils.optim_step import StepGuard, loss_multipliers
 from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")
@@ -33,8 +34,9 @@ log = logging.getLogger("marlhf")
 class Objective:
     name: str
     collator: Callable
-    loss: Callable  # (model, batch) -> (loss, {metric: float})
+    loss: Callable  # (model, batch) -> (loss, {metric: float}); the loss is a mean over count(batch) units
     evaluate: Callable  # (model, loader) -> {metric: float}
+    count: Callable = None  # batch -> units the loss averages over (response tokens / pairs), see optim_step
 
 
 def sft_loss(model, batch: dict):
@@ -83,12 +85,21 @@ def reward_evaluate(model, loader) -> dict:
             "rejected_score": (total[2] / n).item()}
 
 
+def sft_count(batch: dict) -> int:
+    """Response tokens the next-token loss averages over (labels shifted by one, -100 ignored)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def pair_count(batch: dict) -> int:
+    return batch["input_ids"].shape[0] // 2
+
+
 def sft_objective(pad_id: int) -> Objective:
-    return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate)
+    return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate, sft_count)
 
 
 def reward_objective(pad_id: int) -> Objective:
-    return Objective("reward", PairCollator(pad_id), reward_loss, reward_evaluate)
+    return Objective("reward", PairCollator(pad_id), reward_loss, reward_evaluate, pair_count)
 
 
 def _to_device(batch: dict) -> dict:
@@ -136,20 +147,23 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
              len(train_items), steps_per_epoch, total, step, dist.world_size())
 
     bar = tqdm(total=total, initial=step, desc=objective.name, disable=not dist.is_main() or args.disable_progress_bar)
+    guard = StepGuard(args.max_skipped_steps)
     engine.train()
     while step < total:
-        sampler.set_epoch(epoch, skip=done_in_epoch * mb)
-        micro = done_in_epoch
-        for batch in loader:
-            if micro >= steps_per_epoch * ga or step >= total:
-                break
-            loss, metrics = objective.loss(engine, _to_device(batch))
-            engine.backward(loss)
-            engine.step()
-            micro += 1
-            if micro % ga:
-                continue
+        # done_in_epoch counts optimizer steps; each consumed ga micro-batches of mb items
+        sampler.set_epoch(epoch, skip=done_in_epoch * ga * mb)
+        it = iter(loader)
+        while done_in_epoch < steps_per_epoch and step < total:
+            # one optimizer step: its ga micro-batches are counted (on all ranks) before the first backward
+            window = [_to_device(next(it)) for _ in range(ga)]
+            mults = loss_multipliers([objective.count(b) for b in window], [0] * ga, ga, args.loss_aggregation)
+            for batch, mult in zip(window, mults):
+                loss, metrics = objective.loss(engine, batch)
+                guard.backward(engine, loss * mult, "loss")
+                guard.step(engine)
+            done_in_epoch += 1
             step += 1
+            metrics.update(guard.end_step(step))
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")
             tracker.log(step, {**metrics, "lr": engine.get_lr()[0], "epoch": epoch}, prefix="train/")
@@ -157,16 +171,15 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
                 tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
             if args.save_steps and step % args.save_steps == 0:
                 checkpoint.save_checkpoint(ckpt_root, {objective.name: engine}, step,
-                                           {"epoch": epoch, "batches_done": micro // ga}, args.keep_checkpoints)
-        if micro >= steps_per_epoch * ga:  # epoch finished
+                                           {"epoch": epoch, "batches_done": done_in_epoch}, args.keep_checkpoints)
+            checkpoint.pause_point("step", step)  # (tests) a kill between two checkpoints
+        if done_in_epoch >= steps_per_epoch:  # epoch finished
             epoch, done_in_epoch = epoch + 1, 0
             if not (args.eval_interval and step % args.eval_interval == 0):
                 tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
-        else:
-            done_in_epoch = micro // ga
-            if step >= total and step > 0 and not (args.eval_interval and step % args.eval_interval == 0):
-                # stopped by --max_steps inside an epoch: the final model is still evaluated
-                tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
+        elif step >= total and step > 0 and not (args.eval_interval and step % args.eval_interval == 0):
+            # stopped by --max_steps inside an epoch: the final model is still evaluated
+            tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
     bar.close()
     tracker.close()
     return engine

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
 from marlhf.data.records import BadRowPolicy, DataError, Record
+from marlhf.errors import ConfigError
 from marlhf.utils import dist
 
 log = logging.getLogger("marlhf")
@@ -64,7 +65,7 @@ def phase_records(specs: list[str], data_split: str, phase: int, seed: int, eval
     for spec in specs:
         records = load_records(spec, split="train", bad_rows=policy)
         if not records:
-            raise ValueError(f"dataset {spec!r} has no usable training rows")
+            raise ConfigError(f"dataset {spec!r} has no usable training rows")
         test = load_records(spec, split="test", bad_rows=policy)
         if test is None:
             keep, held = holdout_indices(len(records), eval_fraction, seed)
@@ -149,6 +150,10 @@ def _example(rec: Record, phase: int, fmt: PromptFormatter, max_seq_len: int, ma
     if rec.rejected is None:
         file, row = _where(rec)
         policy.handle(DataError(file, row, "rejected", "missing (a reward model needs preference pairs)"))
+        return None
+    if rec.rejected == rec.chosen:  # no preference to learn from; the pairwise loss would be log 2
+        file, row = _where(rec)
+        policy.handle(DataError(file, row, "rejected", "identical to 'chosen' (no preference to learn)"))
         return None
     chosen, _ = encode_pair(fmt.tokenizer, text, rec.chosen, fmt.eot, max_seq_len, fmt, cut)
     rejected, _ = encode_pair(fmt.tokenizer, text, rec.rejected, fmt.eot, max_seq_len, fmt, cut)
@@ -331,7 +336,7 @@ def plan_steps(num_items: int, batch_size: int, batches_per_step: int, epochs: i
     per_rank = math.ceil(num_items / dist.world_size())
     steps_per_epoch = math.ceil(per_rank / batch_size) // batches_per_step
     if steps_per_epoch == 0:
-        raise ValueError(f"{num_items} {what} are too few for one optimizer step (batch {batch_size} x "
+        raise ConfigError(f"{num_items} {what} are too few for one optimizer step (batch {batch_size} x "
                          f"{batches_per_step} batches per step x {dist.world_size()} ranks)")
     total = steps_per_epoch * epochs
     return steps_per_epoch, min(total, max_steps) if max_steps else total

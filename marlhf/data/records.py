@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from marlhf.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class Record:
@@ -25,7 +27,7 @@ class Record:
         return dataclasses.asdict(self)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A row of an input file that cannot be used.  The message names file, row and field."""
 
     def __init__(self, file: str, row: int, field: str, reason: str, note: str = ""):

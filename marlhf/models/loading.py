@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,8 +24,15 @@ _DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_d
 
 
 def resolve_model_path(path: str) -> str:
-    """An empty path means the embedded default model (built offline on first use)."""
+    """An empty path means the embedded default model (built offline on first use).  A path that cannot be a
+    hub name ("org/name" or "name") must exist locally."""
     if path:
+        p = Path(path).expanduser()
+        if not p.exists() and (p.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1):
+            from marlhf.errors import ConfigError
+
+            raise ConfigError(f"model folder {path!r} does not exist (give a local model folder or a Hugging Face "
+                              f"hub name)")
         return path
     from marlhf import embedded
 

@@ -119,13 +119,20 @@ def randomized_starts(
     return starts[:, :T] & m  # (B, T)
 
 
+PPL_CHUNK_ELEMENTS = 1 << 24  # (B, chunk, W) temporaries of _ppl_next: 16 M x 9 bytes = 151 MB at most
+
+
 def _ppl_next(
-    x: torch.Tensor, S: torch.Tensor, m: torch.Tensor, Tb: torch.Tensor, W: int
+    x: torch.Tensor, S: torch.Tensor, m: torch.Tensor, Tb: torch.Tensor, W: int,
+    chunk_elements: int = PPL_CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """nxt(s) for every candidate start s looking at most W tokens ahead → (nxt, capped), both (B, T).
 
     ``capped[b, s]``: no token in the window raised the mean although the sample goes on past s + W, so
-    nxt(s) = s + W was decided by the window, not by the rule.
+    nxt(s) = s + W was decided by the window, not by the rule.  The candidate starts are processed in
+    blocks of ``chunk_elements // (B·W)`` so the float64 and bool (B, block, W) temporaries never exceed
+    ``chunk_elements`` entries (9 bytes each) however far the look-ahead has grown: the worst case W = T =
+    2048 at B = 64 would otherwise need 2.3 GB.  Each block is computed exactly as the whole would be.
     """
     B, T = m.shape
     dev = m.device
@@ -135,12 +142,17 @@ def _ppl_next(
     x_win = x_cond[:, 1:].unfold(1, W, 1)  # (B, T, W) view: x_win[b, s, d-1] = x_{s+d}
     S_win = S_ext[:, 1:].unfold(1, W, 1)[:, :T]  # (B, T, W) view: S_win[b, s, d-1] = S_{s+d}
     d = torch.arange(1, W + 1, device=dev, dtype=torch.float64)  # (W,) = t - s
-    # break at t = s + d  ⟺  x_t · d > S_t - S_s  ⟺  S_t - x_t · d < S_s   (one float64 temporary)
-    brk = torch.addcmul(S_win, x_win, d, value=-1.0) < S[:, :T, None]  # (B, T, W)
-    natural_last = brk[:, :, W - 1].clone()  # (B, T)
-    brk[:, :, W - 1] = True  # the window's end is a forced break
-    first = brk.view(torch.uint8).argmax(dim=2)  # (B, T) first break (argmax returns the first maximum)
-    del brk
+    natural_last = torch.empty(B, T, dtype=torch.bool, device=dev)  # (B, T)
+    first = torch.empty(B, T, dtype=torch.long, device=dev)  # (B, T)
+    block = max(1, chunk_elements // max(B * W, 1))
+    for a in range(0, T, block):  # a handful of blocks, each vectorised over its starts and the window
+        z = slice(a, min(a + block, T))
+        # break at t = s + d  ⟺  x_t · d > S_t - S_s  ⟺  S_t - x_t · d < S_s   (one float64 temporary)
+        brk = torch.addcmul(S_win[:, z], x_win[:, z], d, value=-1.0) < S[:, z, None]  # (B, block, W)
+        natural_last[:, z] = brk[:, :, W - 1]
+        brk[:, :, W - 1] = True  # the window's end is a forced break
+        first[:, z] = brk.view(torch.uint8).argmax(dim=2)  # first break (argmax returns the first maximum)
+        del brk
     s = torch.arange(T, device=dev)  # (T,)
     capped = (first == W - 1) & ~natural_last & (s[None, :] + W < Tb[:, None])  # (B, T)
     nxt = torch.minimum(s[None, :] + first + 1, Tb[:, None])  # (B, T) a sample's last macro ends at T_b
@@ -167,7 +179,8 @@ def _chain_from_zero(nxt: torch.Tensor) -> torch.Tensor:
 
 
 def ppl_starts(
-    mask: torch.Tensor, ref_logprobs: torch.Tensor, max_len: int | None = None, window: int = 32
+    mask: torch.Tensor, ref_logprobs: torch.Tensor, max_len: int | None = None, window: int = 32,
+    chunk_elements: int = PPL_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Perplexity-based termination (§3.2.1): a macro action ends before the token that would raise its ppl.
 
@@ -183,8 +196,10 @@ def ppl_starts(
     doubling. Uncapped, the look-ahead starts at ``window`` tokens and doubles (up to T) only while some
     macro action ON the chain reached the window's end with its sample still going, so the result is
     exact and the usual cost is that of a short window: O(B·T·W) time and memory with one float64 and
-    one bool (B, T, W) temporary (W = 32: 8 MB + 1 MB at B = 64, T = 512; the worst case W = T is
-    134 MB + 17 MB), plus O(B·T·log T) for the doubling.
+    one bool (B, T, W) temporary (W = 32: 8 MB + 1 MB at B = 64, T = 512), plus O(B·T·log T) for the
+    doubling. Memory is bounded whatever the text: a long run of non-increasing surprisal (repetitive text)
+    grows W toward T, and the temporaries are then built ``chunk_elements`` entries at a time (151 MB at
+    the default; without the bound W = T = 2048 at B = 64 needs 2.3 GB).
     """
     m = check_mask(mask)  # (B, T)
     B, T = m.shape
@@ -204,11 +219,11 @@ def ppl_starts(
         raise ValueError(f"ref_logprobs: row {b}, position {k} is not finite ({float(ref_logprobs[b, k])})")
     S = torch.cat([x.new_zeros(B, 1), torch.cumsum(x, dim=1)], dim=1)  # (B, T+1) exclusive prefix sums
     if max_len is not None:  # the cap is part of the rule: one pass with W = max_len
-        nxt, _ = _ppl_next(x, S, m, Tb, min(int(max_len), T))
+        nxt, _ = _ppl_next(x, S, m, Tb, min(int(max_len), T), chunk_elements)
         return _chain_from_zero(nxt)[:, :T] & m  # (B, T)
     W = min(window, T)
     while True:  # at most log2(T / window) + 1 passes over window sizes
-        nxt, capped = _ppl_next(x, S, m, Tb, W)
+        nxt, capped = _ppl_next(x, S, m, Tb, W, chunk_elements)
         R = _chain_from_zero(nxt)  # (B, T+1)
         if W >= T or not bool((capped & R[:, :T]).any()):
             return R[:, :T] & m  # (B, T)

@@ -25,6 +25,13 @@ from marlhf.rlhf.macro import (
 RATIOS = ("token", "macro")
 
 
+def _real(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x in float32 (or wider) with padding set to 0 BEFORE any arithmetic: a NaN / inf in padding would
+    otherwise reach the gradient (torch.where passes 0 · ∂f = 0 · NaN = NaN back through the unused branch),
+    and bf16 callers get the same numbers as fp32 ones."""
+    return torch.where(m, x.to(torch.promote_types(x.dtype, torch.float32)), 0.0)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over real entries (0 when there are none, so an empty batch cannot produce NaN)."""
     m = mask.bool()
@@ -41,11 +48,12 @@ def token_rewards(
 ) -> torch.Tensor:
     """Per-token reward r_t = -β(log π - log π_ref), plus clip(score, ±c) on each sample's last real token.
 
-    DESIGN.md "Data flow"; samples with no response tokens receive nothing. Returns (B, T), 0 on padding.
+    docs/design.md "Data flow"; samples with no response tokens receive nothing. Returns (B, T) float32
+    (or wider), 0 on padding.
     """
     m = check_mask(mask)  # (B, T)
-    r = torch.where(m, -kl_ctl * (logprobs - ref_logprobs), 0.0)  # (B, T)
-    s = score.to(r.dtype).reshape(-1)  # (B,)
+    r = -kl_ctl * (_real(logprobs, m) - _real(ref_logprobs, m))  # (B, T)
+    s = score.to(torch.promote_types(r.dtype, score.dtype)).reshape(-1)  # (B,)
     if s.shape[0] != m.shape[0]:
         raise ValueError(f"score: expected shape ({m.shape[0]},), got {tuple(score.shape)}")
     if clip_reward_value is not None:
@@ -123,7 +131,8 @@ def policy_loss(
     """
     check_choice("ratio", ratio, RATIOS)
     m = mask.bool()  # (B, T)
-    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # (B, T)
+    log_ratio = _real(logprobs, m) - _real(old_logprobs, m)  # (B, T) float32, 0 on padding
+    advantages_tok = _real(advantages_tok, m)  # (B, T)
     if ratio == "macro":
         if seg is None:
             raise ValueError("policy_loss(ratio='macro') needs seg (B, T)")
@@ -157,6 +166,7 @@ def value_loss(
     Every token of a macro action regresses onto the macro return Q broadcast to it.
     """
     m = mask.bool()  # (B, T)
+    values, old_values, returns_tok = _real(values, m), _real(old_values, m), _real(returns_tok, m)  # (B, T)
     v_clip = torch.clamp(values, old_values - clip_value, old_values + clip_value)  # (B, T)
     l1 = (values - returns_tok) ** 2  # (B, T)
     l2 = (v_clip - returns_tok) ** 2  # (B, T)
@@ -167,7 +177,8 @@ def value_loss(
 
 
 def _row_l2(x: torch.Tensor) -> torch.Tensor:
-    return x.double().pow(2).sum(dim=1).sqrt().mean()  # mean over samples of the per-sample L2 norm
+    """Mean over samples of the per-sample L2 norm (0 for an empty batch, not NaN)."""
+    return x.double().pow(2).sum(dim=1).sqrt().sum() / max(x.shape[0], 1)
 
 
 @torch.no_grad()  # advantages and returns are regression/weighting targets: never backpropagate into them
@@ -208,7 +219,7 @@ def compute_advantages(
             "q_l2": _row_l2(Q),
             "adv_l2_tok": _row_l2(adv_tok),
             "q_l2_tok": _row_l2(ret_tok),
-            "num_macros": macro_mask.sum(dim=1).double().mean(),
+            "num_macros": macro_mask.sum().double() / max(macro_mask.shape[0], 1),
             "macro_len": macros.lengths.sum().double() / n_macro.clamp(min=1),
         }
     if whiten_advantages:

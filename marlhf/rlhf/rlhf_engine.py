@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from marlhf.errors import ConfigError, PlatformError
 from marlhf.models.loading import apply_lora, load_causal_lm, load_value_model, resolve_model_path
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_args, frozen_engine
@@ -55,7 +56,7 @@ def mixed_precision_lora_config(args) -> dict | None:
     if not args.enable_mixed_precision_lora:
         return None
     if not (args.actor_lora_dim or args.lora_dim) or args.actor_zero_stage != 3:
-        raise ValueError("--enable_mixed_precision_lora needs LoRA on the actor (--actor_lora_dim > 0) and "
+        raise ConfigError("--enable_mixed_precision_lora needs LoRA on the actor (--actor_lora_dim > 0) and "
                          "--actor_zero_stage 3")
     from deepspeed.accelerator import get_accelerator
 
@@ -63,10 +64,10 @@ def mixed_precision_lora_config(args) -> dict | None:
                                   "zero_hpz_partition_size": max(1, get_accelerator().device_count())}}
 
 
-def _gpu_only_error(flags: list[str], err: Exception) -> RuntimeError:
+def _gpu_only_error(flags: list[str], err: Exception) -> PlatformError:
     from deepspeed.accelerator import get_accelerator
 
-    return RuntimeError(f"{' and '.join(flags)}: DeepSpeed could not start the actor on the "
+    return PlatformError(f"{' and '.join(flags)}: DeepSpeed could not start the actor on the "
                         f"'{get_accelerator().device_name()}' accelerator ({err}). These features need DeepSpeed's GPU "
                         f"kernels (hybrid engine: inference kernels; mixed-precision LoRA: the ZeRO-3 quantizer) "
                         f"on CUDA/ROCm; drop the flag(s) to run here.")
@@ -86,7 +87,7 @@ def optimizer_steps(args, ppo_steps: int, with_ptx: bool = False) -> int:
 def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     """The step-3 engines; ``total_steps`` counts PPO steps (schedulers get their optimizer-step totals)."""
     if args.enable_ema and (args.actor_lora_dim or args.lora_dim):
-        raise ValueError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
+        raise ConfigError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
                          "drop --enable_ema or LoRA")
     actor_path = resolve_model_path(args.actor_model_name_or_path)
     critic_path = resolve_model_path(args.critic_model_name_or_path)

@@ -10,6 +10,7 @@ One step of :meth:`MAPPOTrainer.train`:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -24,6 +25,7 @@ from marlhf.rlhf import macro
 from marlhf.rlhf.ppo_math import compute_advantages, policy_loss, token_rewards, value_loss
 from marlhf.rlhf.rlhf_engine import RLHFEngine, _gathered, update_ema
 from marlhf.utils import checkpoint, dist
+from marlhf.utils.optim_step import StepGuard, loss_multipliers
 from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")
@@ -101,6 +103,12 @@ def generate(actor, prompt_ids, prompt_mask, args, stop_ids, pad_id) -> torch.Te
     return seq
 
 
+def stream_seed(*parts: int) -> int:
+    """A 63-bit seed that differs for every tuple of integers (no arithmetic collisions like a*101 + b)."""
+    digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class MacroSegmenter:
     """``--termination_condition`` as one call: answers → segment ids (B, A) (+ parse fallbacks counted)."""
 
@@ -121,11 +129,15 @@ class MacroSegmenter:
 
             self.word_table = word_start_table(tokenizer)
 
-    def __call__(self, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor, step: int):
-        """Segment ids (B, A) and the number of samples whose parse fell back to fixed n-grams."""
+    def __call__(self, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor, step: int,
+                 batch: int = 0):
+        """Segment ids (B, A) and the number of samples whose parse fell back to fixed n-grams.
+
+        The randomized rule draws from a generator seeded by (seed, step, generation batch, rank), so row i
+        of every generation batch on every rank gets its own boundaries, and a resumed run the same ones."""
         split_last = self.args.macro_reward == "compat"
         if self.rule != "parsing":
-            gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step * 101 + dist.rank())
+            gen = torch.Generator().manual_seed(stream_seed(self.args.seed, step, batch, dist.rank()))
             seg = macro.segments_for_rule(self.rule, mask, ngram=self.n, repeat_times=self.args.repeat_times,
                                           generator=gen, ref_logprobs=ref_logprobs, input_ids=answer,
                                           word_start_table=self.word_table, split_last=split_last)
@@ -165,10 +177,12 @@ class MAPPOTrainer:
         self.pad_id = tokenizer.pad_token_id
         self.segmenter = MacroSegmenter(args, tokenizer)
         self.scorer = scorer  # optional (prompts, answers) -> scores, replaces the reward model
+        self.guard = StepGuard(args.max_skipped_steps)  # drops non-finite updates, stops after too many
 
     # -- 2. experience ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def make_experience(self, prompt_ids, prompt_mask, step: int) -> tuple[Experience, dict]:
+    def make_experience(self, prompt_ids, prompt_mask, step: int, batch: int = 0) -> tuple[Experience, dict]:
+        """Generate, score and segment answers to one prompt batch (``batch``: its index in the step)."""
         a = self.args
         t0 = time.time()
         seq = generate(self.rlhf.actor, prompt_ids, prompt_mask, a, self.stop_ids, self.pad_id)
@@ -197,7 +211,7 @@ class MAPPOTrainer:
         loss_mask = mask & valid[:, None]
         rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, a.kl_ctl, a.clip_reward_value)
         t1 = time.time()
-        seg, fallbacks = self.segmenter(answer, loss_mask, ref_logprobs, step)
+        seg, fallbacks = self.segmenter(answer, loss_mask, ref_logprobs, step, batch)
         advantages, returns, mstats = compute_advantages(values, rewards, loss_mask, seg, a.value_function,
                                                          a.macro_reward, a.gamma, a.lam, a.whiten_advantages)
         macro_time = time.time() - t1
@@ -223,35 +237,52 @@ class MAPPOTrainer:
 
     # -- 4. PPO update --------------------------------------------------------------------------------------
     def ppo_update(self, exps: list[Experience], ptx_batches=None) -> dict:
+        """``--ppo_epochs`` passes over the experience in micro-batches of ``--per_device_training_batch_size``.
+
+        Every loss is a token mean over the whole optimizer step by default (``--loss_aggregation``,
+        :mod:`marlhf.utils.optim_step`): the real tokens of each accumulation window are counted on all
+        ranks before the first backward. The actor steps on the policy loss and, with ptx, once more on the
+        ptx loss (DeepSpeed-Chat's order), so with ptx its micro-steps alternate policy / ptx."""
         a = self.args
         actor, critic = self.rlhf.actor, self.rlhf.critic
+        G = a.gradient_accumulation_steps
+        plan = [mb for _ in range(a.ppo_epochs) for exp in exps for mb in exp.split(a.per_device_training_batch_size)]
+        ptx = [next(ptx_batches) for _ in plan] if ptx_batches is not None else None
+        per_actor = 2 if ptx is not None else 1  # actor micro-steps per micro-batch
+        tokens = [int(mb.mask.sum()) for mb in plan]
+        pl_mult = loss_multipliers(tokens, [per_actor * i // G for i in range(len(plan))], G, a.loss_aggregation)
+        vl_mult = loss_multipliers(tokens, [i // G for i in range(len(plan))], G, a.loss_aggregation)
+        if ptx is not None:
+            ptx_tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in ptx]
+            ptx_mult = loss_multipliers(ptx_tokens, [(2 * i + 1) // G for i in range(len(plan))], G,
+                                        a.loss_aggregation)
         totals: dict[str, float] = {}
-        n = 0
-        for _ in range(a.ppo_epochs):
-            for exp in exps:
-                for mb in exp.split(a.per_device_training_batch_size):
-                    P = mb.prompt_width
-                    logprobs = answer_logprobs(_forward_logits(actor, mb.seq, mb.attention_mask), mb.seq, P)
-                    pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, a.cliprange,
-                                             seg=mb.seg, ratio=a.policy_ratio)
-                    actor.backward(pl)
-                    actor.step()
-                    values = token_values(critic, mb.seq, mb.attention_mask)[:, P - 1:-1]
-                    vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, a.cliprange_value)
-                    critic.backward(vl)
-                    critic.step()
-                    stats = {"actor_loss": pl.item(), "critic_loss": vl.item(),
-                             **{k: float(v) for k, v in {**pstats, **vstats}.items()}}
-                    if ptx_batches is not None:
-                        batch = next(ptx_batches)
-                        ptx = actor(**batch, use_cache=False).loss
-                        actor.backward(a.unsup_coef * ptx)
-                        actor.step()
-                        stats["ptx_loss"] = ptx.item()
-                    for k, v in stats.items():
-                        totals[k] = totals.get(k, 0.0) + v
-                    n += 1
-        return {k: v / max(n, 1) for k, v in totals.items()}
+        for i, mb in enumerate(plan):
+            if i % G == 0:
+                dropped_before = self.guard.dropped  # the critic's window starts
+            P = mb.prompt_width
+            logprobs = answer_logprobs(_forward_logits(actor, mb.seq, mb.attention_mask), mb.seq, P)
+            pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, a.cliprange,
+                                     seg=mb.seg, ratio=a.policy_ratio)
+            self.guard.backward(actor, pl * pl_mult[i], "actor loss")
+            self.guard.step(actor)
+            values = token_values(critic, mb.seq, mb.attention_mask)[:, P - 1:-1]
+            vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, a.cliprange_value)
+            # an actor update dropped in this window (non-finite advantages, any rank) drops the critic's too:
+            # the step then skips that data as a whole
+            actor_dropped = i % G == G - 1 and self.guard.dropped > dropped_before
+            self.guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
+            self.guard.step(critic)
+            stats = {"actor_loss": pl.item(), "critic_loss": vl.item(),
+                     **{k: float(v) for k, v in {**pstats, **vstats}.items()}}
+            if ptx is not None:
+                out = actor(**ptx[i], use_cache=False).loss
+                self.guard.backward(actor, a.unsup_coef * out * ptx_mult[i], "ptx loss")
+                self.guard.step(actor)
+                stats["ptx_loss"] = out.item()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return {k: v / max(len(plan), 1) for k, v in totals.items()}
 
     # -- the loop ----------------------------------------------------------------------------------------
     def train(self, prompts: list[dict], ptx_items: list[dict] | None = None) -> int:
@@ -279,15 +310,16 @@ class MAPPOTrainer:
             while done < steps_per_epoch and step < total:
                 # 1-3. experience for --generation_batches prompt batches
                 exps, gen_stats = [], []
-                for _ in range(a.generation_batches):
+                for k in range(a.generation_batches):
                     batch = next(it)
-                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step)
+                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step, k)
                     exps.append(exp)
                     gen_stats.append(s)
                 done += 1
                 # 4. PPO epochs over the experience
                 t0 = time.time()
                 train_stats = self.ppo_update(exps, ptx)
+                train_stats.update(self.guard.end_step(step + 1))
                 if self.rlhf.ema is not None:
                     update_ema(self.rlhf.actor, self.rlhf.ema, a.ema_decay, a.actor_zero_stage)
                 step += 1

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from marlhf.errors import UserError
 from marlhf.utils import dist
 
 log = logging.getLogger("marlhf")
@@ -31,6 +32,27 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def topology(engines: dict) -> dict:
+    """The flags a checkpoint cannot be resumed across: world size, and each engine's ZeRO stage and LoRA rank
+    (DeepSpeed's optimizer partitions and the parameter names depend on them)."""
+    out: dict = {"world_size": dist.world_size()}
+    for name, engine in engines.items():
+        module = getattr(engine, "module", engine)
+        lora = module.peft_config["default"].r if hasattr(module, "peft_config") else 0
+        out[name] = {"zero_stage": int(engine.zero_optimization_stage()), "lora_dim": int(lora)}
+    return out
+
+
+def pause_point(where: str, step: int) -> None:
+    """Test hook for crash-safety tests: with MARLHF_TEST_PAUSE="<where>:<step>" the process announces itself
+    in the file MARLHF_TEST_PAUSE_MARKER and sleeps, so a test can SIGKILL it at exactly this point."""
+    if os.environ.get("MARLHF_TEST_PAUSE") == f"{where}:{step}" and dist.is_main():
+        import time
+
+        Path(os.environ["MARLHF_TEST_PAUSE_MARKER"]).write_text(f"{where}:{step}")
+        time.sleep(600)
 
 
 def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, keep: int = 2) -> Path:
@@ -45,9 +67,11 @@ def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, kee
         engine.save_checkpoint(str(folder), tag=name, save_latest=False)
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(dist.rng_state(), folder / f"rng_rank{dist.rank()}.pt")
+    pause_point("save", step)  # (tests) the engines' files are written, the checkpoint is not complete yet
     dist.barrier()
     if dist.is_main():
-        _atomic_write_text(folder / "trainer_state.json", json.dumps({"step": step, **state}, indent=1))
+        full = {"step": step, **state, "topology": topology(engines)}
+        _atomic_write_text(folder / "trainer_state.json", json.dumps(full, indent=1))
         _atomic_write_text(root / "latest", tag)
         tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step"))
         for old in tags[:-keep] if keep > 0 else []:
@@ -64,7 +88,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         return None
     folder = Path(root) / pointer.read_text().strip()
     if not (folder / "trainer_state.json").exists():
-        raise RuntimeError(f"{pointer} names {folder}, which is incomplete; delete the pointer to start over")
+        raise UserError(f"{pointer} names {folder}, which is incomplete; delete the pointer to start over")
     return folder
 
 
@@ -73,6 +97,8 @@ def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
     folder = latest_checkpoint(root)
     if folder is None:
         return None
+    state = json.loads((folder / "trainer_state.json").read_text())
+    check_topology(folder, state.get("topology"), topology(engines))
     for name, engine in engines.items():
         path, _ = engine.load_checkpoint(str(folder), tag=name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
@@ -81,9 +107,30 @@ def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
     rng = folder / f"rng_rank{dist.rank()}.pt"
     if rng.exists():
         dist.set_rng_state(torch.load(rng, weights_only=False))
-    state = json.loads((folder / "trainer_state.json").read_text())
     log.info("resumed from %s (step %d)", folder, state["step"])
     return state
+
+
+def check_topology(folder: Path, saved: dict | None, current: dict) -> None:
+    """Refuse to resume across a different world size / ZeRO stage / LoRA rank, naming each difference."""
+    if saved is None:  # written before topologies were recorded
+        return
+    diffs = []
+    if saved.get("world_size") != current["world_size"]:
+        diffs.append(f"world size {saved.get('world_size')} (now {current['world_size']})")
+    for name, now in current.items():
+        if name == "world_size":
+            continue
+        then = saved.get(name)
+        if then is None:
+            diffs.append(f"no '{name}' engine (now one)")
+            continue
+        for key, flag in (("zero_stage", "ZeRO stage"), ("lora_dim", "LoRA rank")):
+            if then.get(key) != now[key]:
+                diffs.append(f"{name} {flag} {then.get(key)} (now {now[key]})")
+    if diffs:
+        raise UserError(f"--resume: {folder} was written with {'; '.join(diffs)}. Resume with the flags of the "
+                        f"run that wrote it (ranks, --zero_stage, --lora_dim, ...) or use a new --output_dir.")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from deepspeed.accelerator import get_accelerator
 
+from marlhf.errors import PlatformError
+
 
 def check_dtype(dtype: str) -> None:
     """Fail early, with the reason, when the accelerator cannot train in ``dtype``."""
     acc = get_accelerator()
     if dtype == "fp16" and not acc.is_fp16_supported():
-        raise RuntimeError(
+        raise PlatformError(
             f"--dtype fp16 needs an accelerator with fp16 support (DeepSpeed's fp16 loss scaling); this machine's "
             f"accelerator is '{acc.device_name()}', which has none. Use --dtype bf16 or fp32.")
     if dtype == "bf16" and not acc.is_bf16_supported():
-        raise RuntimeError(f"--dtype bf16 is not supported on accelerator '{acc.device_name()}'. Use fp32.")
+        raise PlatformError(f"--dtype bf16 is not supported on accelerator '{acc.device_name()}'. Use fp32.")
 
 
 def _precision(dtype: str) -> dict:

@@ -10,6 +10,7 @@ from torch import nn
 
 from marlhf.utils import dist
 from marlhf.utils.ds_config import eval_config, train_config
+from marlhf.utils.optim_step import guard_optimizer
 
 log = logging.getLogger("marlhf")
 
@@ -74,6 +75,8 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
                           zero_stage=zero_stage, offload=offload, dtype=dtype, tensorboard_dir=tensorboard_dir)
     _merge(config, extra_config or {})
     optimizer = make_optimizer(param_groups(model, weight_decay, lr, lora_lr), lr, offload)
+    if zero_stage == 0 and dtype == "fp32":  # the one setup where DeepSpeed has no non-finite check of its own
+        optimizer = guard_optimizer(optimizer)
     sched = make_scheduler(optimizer, scheduler, warmup, total_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched, config=config)
     return engine

@@ -6,8 +6,11 @@
 With no --model_name_or_path the embedded tiny model is used (built offline on first use).
 """
 
+import sys
+
 from marlhf.config import SFTArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
+from marlhf.errors import run_cli
 from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer_and_format
 from marlhf.supervised import sft_objective, train
 from marlhf.utils.checkpoint import export_hf
@@ -35,4 +38,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -7,8 +7,11 @@ The result loads in plain transformers as AutoModelForSequenceClassification (sc
 token) and, in step 3, as both the critic and the reward model.
 """
 
+import sys
+
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
+from marlhf.errors import run_cli
 from marlhf.models.loading import apply_lora, load_tokenizer_and_format, load_value_model
 from marlhf.supervised import reward_objective, train
 from marlhf.utils.checkpoint import export_hf
@@ -34,4 +37,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -28,6 +28,7 @@ from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import _pad, phase_records, tokenize_phase
 from marlhf.data.records import BadRowPolicy, DataError, Record, require_text
+from marlhf.errors import run_cli
 from marlhf.models.loading import load_tokenizer_and_format, load_value_model, sequence_scores
 
 
@@ -51,6 +52,7 @@ def parse_args(argv=None):
                    help="Default: the one recorded with the model")
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors (bad file, missing model)")
     return p.parse_args(argv)
 
 
@@ -132,4 +134,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

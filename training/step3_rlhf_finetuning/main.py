@@ -9,11 +9,13 @@ summary.json comparing the initial (SFT) and final policy on held-out prompts.
 """
 
 import json
+import sys
 from pathlib import Path
 
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
+from marlhf.errors import ConfigError, run_cli
 from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
@@ -41,7 +43,7 @@ def main(argv=None):
     gold = gold_scorer_for(args.data_path)
     trainer = MAPPOTrainer(args, rlhf, tokenizer, scorer=gold if args.reward_source == "gold" else None)
     if args.reward_source == "gold" and gold is None:
-        raise ValueError("--reward_source gold needs a task with a gold scorer (the synthetic task)")
+        raise ConfigError("--reward_source gold needs a task with a gold scorer (the synthetic task)")
     # 3. the initial (SFT) policy on held-out prompts, then MA-PPO, then the final policy
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too
     if initial.exists() and args.resume:
@@ -65,4 +67,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

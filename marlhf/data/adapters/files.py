@@ -13,6 +13,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from marlhf.data.records import DataError
+from marlhf.errors import ConfigError
+
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark that Windows tools put at the start of text files
 
 ROW_EXTENSIONS = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet")
 
@@ -29,13 +32,13 @@ def iter_file_rows(path: Path) -> Iterator[Row]:
     """Rows of one file.  Unparseable JSON lines come out as DataErrors so the bad-row policy decides."""
     ext = row_extension(path.name)
     if ext is None:
-        raise ValueError(f"{path}: unsupported file type (expected one of {', '.join(ROW_EXTENSIONS)})")
+        raise ConfigError(f"{path}: unsupported file type (expected one of {', '.join(ROW_EXTENSIONS)})")
     if ext == ".parquet":
         yield from _parquet_rows(path)
         return
     opener = gzip.open if ext.endswith(".gz") else open
     with opener(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(BOM).lstrip()
     if ext in (".json", ".json.gz") and head.startswith(b"["):
         yield from _json_array_rows(path, opener)
         return
@@ -46,6 +49,8 @@ def _json_lines_rows(path: Path, opener) -> Iterator[Row]:
     file = str(path)
     with opener(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(BOM)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -65,7 +70,7 @@ def _json_array_rows(path: Path, opener) -> Iterator[Row]:
     file = str(path)
     with opener(path, "rb") as f:
         try:
-            rows = json.loads(f.read().decode("utf-8"))
+            rows = json.loads(f.read().removeprefix(BOM).decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             line = getattr(err, "lineno", 0)
             raise DataError(file, line, "<file>", f"not a valid JSON array: {err}") from None

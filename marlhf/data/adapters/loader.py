@@ -36,6 +36,7 @@ from marlhf.data.adapters.rows import (
     webgpt_row,
 )
 from marlhf.data.records import BadRowPolicy, DataError, Record, bad_rows_note
+from marlhf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def load_records(
         if dropped is not None:
             dropped.update(drops)
     if not records:
-        raise ValueError(
+        raise ConfigError(
             f"{spec} [{split}]: no usable records ({policy.summary()}; {dropped_summary(drops)})"
         )
     return records

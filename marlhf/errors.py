@@ -1,0 +1,51 @@
+"""User errors (bad data, paths, flags) versus bugs, and the one place entry points turn them into exits.
+
+A :class:`UserError` is something the user can fix from the message alone: the entry point prints that
+message as one line (rank 0 only, not once per rank) and exits with status 1, without a traceback.
+Anything else is a bug and keeps its traceback.  ``--debug`` shows tracebacks for user errors too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 1
+
+
+class UserError(Exception):
+    """A mistake in the user's input whose message says what to fix (file, row, field, flag)."""
+
+
+class ConfigError(UserError, ValueError):
+    """A bad flag value or combination, a missing path, or data too small for the requested run."""
+
+
+class PlatformError(UserError, RuntimeError):
+    """A requested feature this machine cannot run (e.g. GPU-only DeepSpeed kernels on a CPU)."""
+
+
+def _is_rank0() -> bool:
+    # RANK is set by every launcher before the process group exists; errors can come before init
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> int:
+    """Run an entry point's ``main(argv)``; a :class:`UserError` (or a run stopped by the non-finite guard)
+    becomes one line on stderr from rank 0 and exit status 1.  Returns main's int result (or 0)."""
+    from marlhf.utils.optim_step import NonFiniteError
+
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        result = main(argv)
+    except (UserError, NonFiniteError) as err:
+        if debug:
+            raise
+        logging.shutdown()  # flush the log file before the message, so it is the last line
+        if _is_rank0():
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    return result if isinstance(result, int) else 0
