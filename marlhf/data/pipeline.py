@@ -202,29 +202,29 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
                     max_seq_len=max_seq_len, max_prompt=max_prompt, bad_rows=args.bad_rows,
                     sources=[_source_fingerprint(s) for s in args.data_path])
     path = Path(args.data_output_path) / f"{PHASES[phase]}_{key}.pt"
-    if dist.is_local_main() and not path.exists():
-        policy = BadRowPolicy(args.bad_rows)
-        train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.seed,
-                                              args.eval_fraction, policy)
-        long_prompts = LongPromptPolicy(args.long_prompts)
-        kw = dict(eot=args.end_of_conversation_token, max_seq_len=max_seq_len, max_prompt_len=max_prompt,
-                  policy=policy, prompt_format=args.prompt_format, long_prompts=long_prompts)
-        train = tokenize_phase(train_recs, phase, tokenizer, **kw)
-        # --max_eval_samples counts examples kept after the length rules, not records read
-        kept: list[Record] = []
-        evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw, limit=args.max_eval_samples, kept=kept)
-        eval_recs = kept
-        log.info("phase %d data: %d train / %d eval examples; %s; %s", phase, len(train), len(evaluation),
-                 long_prompts.summary("--max_prompt_seq_len" if phase == 3 else "--max_seq_len"), policy.summary())
-        if not train:
-            raise ValueError(f"no training examples left for phase {phase} ({PHASES[phase]}); {policy.summary()}")
-        payload = {"train": train, "eval": evaluation, "eval_records": [r.to_dict() for r in eval_recs],
-                   "skipped": policy.summary()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{socket.gethostname()}-{os.getpid()}")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache behind
-    dist.barrier()
+    with dist.work_for_all():  # the others wait; a bad row stops every rank with one message
+        if dist.is_local_main() and not path.exists():
+            policy = BadRowPolicy(args.bad_rows)
+            train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.seed,
+                                                  args.eval_fraction, policy)
+            long_prompts = LongPromptPolicy(args.long_prompts)
+            kw = dict(eot=args.end_of_conversation_token, max_seq_len=max_seq_len, max_prompt_len=max_prompt,
+                      policy=policy, prompt_format=args.prompt_format, long_prompts=long_prompts)
+            train = tokenize_phase(train_recs, phase, tokenizer, **kw)
+            # --max_eval_samples counts examples kept after the length rules, not records read
+            kept: list[Record] = []
+            evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw, limit=args.max_eval_samples, kept=kept)
+            eval_recs = kept
+            log.info("phase %d data: %d train / %d eval examples; %s; %s", phase, len(train), len(evaluation),
+                     long_prompts.summary("--max_prompt_seq_len" if phase == 3 else "--max_seq_len"), policy.summary())
+            if not train:
+                raise ConfigError(f"no training examples left for phase {phase} ({PHASES[phase]}); {policy.summary()}")
+            payload = {"train": train, "eval": evaluation, "eval_records": [r.to_dict() for r in eval_recs],
+                       "skipped": policy.summary()}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{socket.gethostname()}-{os.getpid()}")
+            torch.save(payload, tmp)
+            os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache behind
     payload = torch.load(path, weights_only=False)
     if dist.is_main():
         log.info("loaded %s (%d train / %d eval)", path, len(payload["train"]), len(payload["eval"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -58,6 +59,28 @@ def is_local_main() -> bool:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def work_for_all():
+    """Work some ranks do for the others (e.g. the first rank of a node builds the data cache), ended by a
+    barrier that also carries the outcome.  A user error inside stops every rank together: the rank that hit
+    it re-raises it (rank 0 prints it), the others raise a short :class:`UserError` — instead of dying at
+    the barrier with a connection error and a traceback when the failing rank exits first."""
+    from marlhf.errors import UserError
+
+    failed = None
+    try:
+        yield
+    except UserError as err:
+        failed = err
+    if world_size() > 1:
+        flag = torch.tensor([float(failed is not None)], device=device())
+        dist.all_reduce(flag)
+        if failed is None and flag.item():
+            raise UserError("stopped because another rank reported an error (rank 0 prints it)")
+    if failed is not None:
+        raise failed
 
 
 def device() -> torch.device:
