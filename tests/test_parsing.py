@@ -725,6 +725,12 @@ def test_benepar_model_resolution_and_logged_choice(benepar_silver, caplog):
         assert "using the project-built silver-tree model" in caplog.text
     with pytest.raises(RuntimeError, match="no benepar model '/no/such/model'"):
         ParseSegmenter("text", backend="benepar", model="/no/such/model")
+    with pytest.MonkeyPatch.context() as mp:  # benepar not installed: say what to install
+        from marlhf.rlhf.parsing import backends
+
+        mp.setattr(backends, "_has_module", lambda name: name != "benepar")
+        with pytest.raises(RuntimeError, match="pip install benepar"):
+            ParseSegmenter("text", backend="benepar")
     # the backend checks that the tree has one leaf per word
     import nltk
 
