@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -356,6 +357,7 @@ def _build_seeded(out: Path, seed: int, steps: int, sentences: list[str], spacy_
         "corpus": {"sentences": len(sentences), "hash": corpus_hash(sentences), "trees": len(bank),
                    "train": len(train), "held_out": len(held)},
         "hparams": HPARAMS, "train_seconds": round(train_s, 1), "held_out_scores": scores,
+        "versions": {pkg: importlib.metadata.version(pkg) for pkg in ("benepar", "spacy", "torch")},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     logger.info("benepar silver model: held-out bracket F1 %.3f (unlabelled %.3f) vs the silver trees",
