@@ -1,12 +1,15 @@
 """Time the parsing termination rule (ParseSegmenter.starts) on a step-sized batch, CPU only.
 
     python scripts/bench_parsing.py [--batch 64] [--words 60] [--lines 30] [--repeats 5]
-                                    [--unfinished 0.25] [--out bench_results/parsing.json]
+                                    [--unfinished 0.25] [--benepar_model PATH_OR_NAME]
+                                    [--out bench_results/parsing.json]
 
-Text: `--batch` generated responses of ~`--words` words (spaCy backend). Code: `--batch` generated Python
-snippets of ~`--lines` lines, a fraction `--unfinished` cut mid-line as a generation hitting its length
-limit (tree-sitter and redbaron backends; redbaron falls back on those). Offsets come from a word tokenizer
-and from a byte-level BPE trained here in memory. Prints ms per batch and per sample; writes --out JSON.
+Text: `--batch` generated responses of ~`--words` words (spaCy and benepar backends; benepar loads
+`--benepar_model`, else benepar_en3 if installed, else the project-built model, built on first use).
+Code: `--batch` generated Python snippets of ~`--lines` lines, a fraction `--unfinished` cut mid-line as a
+generation hitting its length limit (tree-sitter and redbaron backends; redbaron falls back on those).
+Offsets come from a word tokenizer and from a byte-level BPE trained here in memory.
+Prints ms per batch and per sample; writes --out JSON.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ def main() -> None:
     ap.add_argument("--unfinished", type=float, default=0.25, help="fraction of code cut mid-line")
     ap.add_argument("--cutoff", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--benepar_model", default=None, help="benepar model name or folder (default: see above)")
     ap.add_argument("--out", default="bench_results/parsing.json")
     args = ap.parse_args()
 
@@ -151,7 +155,10 @@ def main() -> None:
 
     results = {}
     for kind, backend, data in cases:
-        seg = ParseSegmenter(kind, backend=backend, cutoff=args.cutoff)
+        model = args.benepar_model if backend == "benepar" else None
+        seg = ParseSegmenter(kind, backend=backend, cutoff=args.cutoff, model=model)
+        if backend == "benepar":
+            args.benepar_model = seg.backend.model  # recorded in the report
         for tok_name, tok in [("word", word_offsets), ("bpe", bpe)]:
             offsets = [tok(t) for t in data]
             name = f"{kind}/{backend}/{tok_name}"

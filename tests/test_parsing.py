@@ -725,6 +725,12 @@ def test_benepar_model_resolution_and_logged_choice(benepar_silver, caplog):
         assert "using the project-built silver-tree model" in caplog.text
     with pytest.raises(RuntimeError, match="no benepar model '/no/such/model'"):
         ParseSegmenter("text", backend="benepar", model="/no/such/model")
+    with pytest.MonkeyPatch.context() as mp:  # benepar not installed: say what to install
+        from marlhf.rlhf.parsing import backends
+
+        mp.setattr(backends, "_has_module", lambda name: name != "benepar")
+        with pytest.raises(RuntimeError, match="pip install benepar"):
+            ParseSegmenter("text", backend="benepar")
     # the backend checks that the tree has one leaf per word
     import nltk
 
@@ -769,8 +775,12 @@ def test_benepar_build_is_deterministic(tmp_path):
 
     from marlhf.rlhf.parsing import benepar_model
 
+    th.manual_seed(7)
+    expected = th.rand(3)
+    th.manual_seed(7)
     a = benepar_model.prepare(tmp_path / "a", seed=3, steps=2)
     b = benepar_model.prepare(tmp_path / "b", seed=3, steps=2)
+    assert th.equal(th.rand(3), expected)  # the build leaves the caller's RNG alone (it may run in step 3)
     assert a.name == b.name and a.name.startswith(f"benepar-silver-v{benepar_model.VERSION}-seed3-steps2-")
     wa, wb = th.load(a / "benepar_model.bin"), th.load(b / "benepar_model.bin")
     assert wa.keys() == wb.keys() and all(th.equal(wa[k], wb[k]) for k in wa)

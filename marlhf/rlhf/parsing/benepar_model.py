@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -270,7 +271,8 @@ def bracket_f1(gold: list[Any], pred: list[Any]) -> dict[str, float]:
 def train_parser(
     train: list[TrainingSentence], steps: int, seed: int, batch_size: int = 32, lr: float = 2e-3
 ) -> Any:
-    """benepar's ChartParser (char LSTM + encoder, no pretrained model) trained for `steps` batches."""
+    """benepar's ChartParser (char LSTM + encoder, no pretrained model) trained for `steps` batches on
+    the CPU, from the torch seed `seed` (set here)."""
     import torch
     from benepar import char_lstm, decode_chart, nkutil
     from benepar.parse_chart import ChartParser
@@ -324,6 +326,14 @@ def save_release(parser: Any, out: Path) -> None:
 
 
 def _build(out: Path, seed: int, steps: int, sentences: list[str], spacy_model: str) -> None:
+    import torch
+
+    # The build can happen inside a training run (step 3's first use): leave the caller's RNG alone.
+    with torch.random.fork_rng(devices=[]):
+        _build_seeded(out, seed, steps, sentences, spacy_model)
+
+
+def _build_seeded(out: Path, seed: int, steps: int, sentences: list[str], spacy_model: str) -> None:
     import benepar
 
     t0 = time.perf_counter()
@@ -347,6 +357,7 @@ def _build(out: Path, seed: int, steps: int, sentences: list[str], spacy_model: 
         "corpus": {"sentences": len(sentences), "hash": corpus_hash(sentences), "trees": len(bank),
                    "train": len(train), "held_out": len(held)},
         "hparams": HPARAMS, "train_seconds": round(train_s, 1), "held_out_scores": scores,
+        "versions": {pkg: importlib.metadata.version(pkg) for pkg in ("benepar", "spacy", "torch")},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     logger.info("benepar silver model: held-out bracket F1 %.3f (unlabelled %.3f) vs the silver trees",
