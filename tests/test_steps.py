@@ -120,6 +120,11 @@ def test_lora_adapter_saved_in_peft_format_and_mergeable(embedded, tmp_path):
     assert not torch.allclose(a, plain, atol=1e-4)  # the adapter changed something
 
 
+def test_max_steps_inside_an_epoch_still_evaluates_the_final_model(embedded, tmp_path):
+    load_main(STEP1)(sft_argv(tmp_path / "o", tmp_path / "d", "--max_steps", "2"))  # 30 steps per epoch
+    assert [m["step"] for m in eval_history(tmp_path / "o")] == [0, 2]
+
+
 def test_fp16_without_accelerator_support_fails_with_the_reason(embedded, tmp_path, monkeypatch):
     """Where the accelerator has no fp16 (most CPUs), the run stops before training, saying why."""
     from deepspeed.accelerator import get_accelerator

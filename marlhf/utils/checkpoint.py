@@ -177,8 +177,9 @@ def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, zero_stage: int 
         clean = _rebuild(module, state, tmp)
         if dtype is not None:
             clean = clean.to(dtype)
-        clean.config.use_cache = True
+        training_cache, clean.config.use_cache = clean.config.use_cache, True  # the config object is shared
         clean.save_pretrained(tmp, safe_serialization=True)
+        clean.config.use_cache = training_cache
         tokenizer.save_pretrained(tmp)
         if conversation is not None:
             from marlhf.data.formatting import write_format
