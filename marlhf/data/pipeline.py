@@ -188,7 +188,7 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
         log.info("phase %d data: %d train / %d eval examples; %s", phase, len(train), len(evaluation),
                  policy.summary())
         if not train:
-            raise ValueError(f"no training examples left for phase {phase} ({PHASES[phase]}); {policy.summary()}")
+            raise ConfigError(f"no training examples left for phase {phase} ({PHASES[phase]}); {policy.summary()}")
         payload = {"train": train, "eval": evaluation, "eval_records": [r.to_dict() for r in eval_recs],
                    "skipped": policy.summary()}
         path.parent.mkdir(parents=True, exist_ok=True)
