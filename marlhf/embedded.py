@@ -1,6 +1,6 @@
 """Build (once) and locate the embedded default: task data, tokenizer and tiny model, all from a seed.
 
-The quick start, the tests and the benchmarks all start from these files (DESIGN.md "The embedded task",
+The quick start, the tests and the benchmarks all start from these files (docs/design.md "The embedded task",
 "Runs without a GPU").  Layout under the home folder (``$MARLHF_HOME`` or ``~/.cache/marlhf``)::
 
     embedded-v<task version>-seed<S>-n<N>-noise<p>-vocab<V>/   one folder per task setting

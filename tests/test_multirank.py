@@ -1,4 +1,4 @@
-"""Steps 1 and 2 under the real ``deepspeed`` launcher: CPU ranks over gloo (DESIGN.md "Runs without a GPU").
+"""Steps 1 and 2 under the real ``deepspeed`` launcher: CPU ranks over gloo (docs/design.md "Runs without a GPU").
 
 Covered: ZeRO-2, ZeRO-3 (export gathers full tensors), a two-node launch simulated on this machine
 (hostfile + one ``--no_ssh`` launcher per node) that also runs ZeRO-2 + CPU offload (DeepSpeedCPUAdam) — one

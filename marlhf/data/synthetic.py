@@ -1,4 +1,4 @@
-"""The embedded task: a miniature of TL;DR summarisation with a gold scorer (DESIGN.md, "The embedded task").
+"""The embedded task: a miniature of TL;DR summarisation with a gold scorer (docs/design.md, "The embedded task").
 
 A prompt is a short Reddit-style post ("SUBREDDIT: ...\\nPOST: ...\\nTL;DR:") that states seven key facts
 drawn from closed, seeded vocabularies — the poster's age/gender tag, the other person (relation + tag),

@@ -3,7 +3,7 @@
 A tiny model is created from a config (random init, seeded), sized to the project tokenizer, and saved as
 a normal HF folder (safetensors + config + generation config + tokenizer).  Every entry point then loads
 it with ``--model_name_or_path <folder>`` through the same code path as a downloaded Llama or Gemma, so
-CPU runs exercise the real loading, generation and saving code (DESIGN.md "Runs without a GPU").
+CPU runs exercise the real loading, generation and saving code (docs/design.md "Runs without a GPU").
 """
 
 from __future__ import annotations

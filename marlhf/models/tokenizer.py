@@ -16,7 +16,7 @@ Choices, and why:
   embedded default as it must for real models.
 - ``<|endoftext|>`` is a single special token: DeepSpeed-Chat's ``--end_of_conversation_token`` default.
 
-:func:`word_start_table` serves the ``word`` macro-action rule (DESIGN.md "Macro actions, precisely"):
+:func:`word_start_table` serves the ``word`` macro-action rule (docs/design.md "Macro actions, precisely"):
 a macro action runs from a word-starting token up to the next one.
 """
 

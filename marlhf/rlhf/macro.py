@@ -4,7 +4,7 @@ Every termination rule returns a boolean ``starts`` tensor (B, T) marking the fi
 action; :func:`segments_from_starts` turns it into per-sample segment ids ``seg`` (B, T) (0, 1, 2, ... on
 real tokens, -1 on padding). Everything downstream (values, rewards, GAE, losses) is a scatter/gather over
 the flattened index ``b * M + seg``, so each sample gets its own boundaries and nothing is ever averaged
-across the batch (both were defects of the released code, see DESIGN.md).
+across the batch (both were defects of the released code, see docs/design.md "Macro actions, precisely").
 
 Conventions: per-token tensors are response-only, shape (B, T) with right padding; ``mask`` (B, T) marks
 real tokens, contiguous from k = 0 to T_b - 1 (T_b may be 0). Macro tensors are (B, M), M = max number of

@@ -166,7 +166,7 @@ def parse_spec(spec: str) -> tuple[str, Adapter | None, str]:
             return "local", adapter, path
     if Path(spec).exists():
         return "generic", None, spec
-    raise ValueError(
+    raise ConfigError(
         f"unknown dataset {spec!r}. Available: {', '.join(available_datasets())}; a hub name may be given a "
         f"local copy as NAME:PATH; or pass an existing .json/.jsonl/.parquet file (or directory of them) "
         f"with fields prompt / chosen / rejected, or synthetic:key=value,..."
@@ -228,7 +228,7 @@ def _local_rows(adapter: Adapter | None, path: Path, split: str, row_fn: RowFn):
     if path.is_file():
         if files.row_extension(path.name) is None:
             expected = ", ".join(files.ROW_EXTENSIONS)
-            raise ValueError(f"{path}: unsupported file type for {name} (expected {expected})")
+            raise ConfigError(f"{path}: unsupported file type for {name} (expected {expected})")
         return (files.iter_rows([path]), row_fn) if split == "train" else None
     if adapter is not None and adapter.row_fn is apps_row:
         apps = _apps_folder_rows(path, split, row_fn)
@@ -289,9 +289,9 @@ def parse_synthetic_options(text: str, config_cls: type) -> dict:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not key:
-            raise ValueError(f"synthetic option {item!r} is not key=value")
+            raise ConfigError(f"synthetic option {item!r} is not key=value")
         if key not in fields:
-            raise ValueError(f"unknown synthetic option {key!r}; valid: {', '.join(fields)}")
+            raise ConfigError(f"unknown synthetic option {key!r}; valid: {', '.join(fields)}")
         options[key] = _convert_option(key, value, fields[key])
     return options
 
@@ -311,8 +311,8 @@ def _convert_option(key: str, value: str, field: dataclasses.Field):
         if kind in (int, float, str):
             return kind(value)
     except ValueError:
-        raise ValueError(f"synthetic option {key}={value!r}: expected {kind.__name__}") from None
-    raise ValueError(f"synthetic option {key!r} (type {kind}) cannot be set from a --data_path spec")
+        raise ConfigError(f"synthetic option {key}={value!r}: expected {kind.__name__}") from None
+    raise ConfigError(f"synthetic option {key!r} (type {kind}) cannot be set from a --data_path spec")
 
 
 def _load_synthetic(options_text: str, split: str, drops: Counter) -> list[Record]:

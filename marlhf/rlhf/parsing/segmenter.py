@@ -1,7 +1,7 @@
 """`ParseSegmenter`: response texts + policy offsets -> macro-action start flags (paper Appendix B.4).
 
 The trainer calls `starts()` once per experience batch (CPU side, before the vectorised loss path);
-`seg = starts.cumsum(-1) - 1` then gives the segment ids of DESIGN.md "Macro actions, precisely".
+`seg = starts.cumsum(-1) - 1` then gives the segment ids of docs/design.md "Macro actions, precisely".
 Samples whose parse cannot be aligned fall back to fixed-n starts and are counted by reason — the
 paper "reverts to standard PPO" there; we revert to the `fixed` rule, which is what the step expects.
 """
