@@ -48,4 +48,24 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
         if _is_rank0():
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except Exception as err:
+        # another rank stopped (its user error is reported by rank 0, or its traceback by itself): this rank's
+        # collective then fails with a connection error that says nothing new; exit quietly instead of adding
+        # one traceback per rank
+        if debug or not _peer_lost(err):
+            raise
+        logging.shutdown()
+        if _is_rank0():
+            print("error: another rank stopped; see its messages above (--debug for every rank's traceback)",
+                  file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     return result if isinstance(result, int) else 0
+
+
+def _peer_lost(err: Exception) -> bool:
+    """A collective failed because a peer process is gone (gloo / NCCL / the TCP store say so)."""
+    import torch.distributed as tdist
+
+    text = str(err)
+    markers = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+    return isinstance(err, getattr(tdist, "DistNetworkError", ())) or any(m in text for m in markers)

@@ -239,3 +239,32 @@ def test_sft_step_is_the_same_whatever_the_micro_batch_and_accumulation(embedded
 
 def norm(tensors: dict) -> float:
     return math.sqrt(sum(t.double().pow(2).sum().item() for t in tensors.values()))
+
+
+def test_sft_run_drops_a_nan_step_then_stops_after_too_many_keeping_the_last_checkpoint(embedded, tmp_path,
+                                                                                       monkeypatch):
+    import marlhf.supervised as sup
+    from marlhf.utils.tracking import read_metrics
+
+    real_loss, calls = sup.sft_loss, []
+
+    def nan_from_second_call(model, batch):  # micro-batch 2 (step 2) onwards: a NaN loss, as bad data would
+        loss, metrics = real_loss(model, batch)
+        calls.append(1)
+        return (loss * float("nan"), metrics) if len(calls) >= 2 else (loss, metrics)
+
+    monkeypatch.setattr(sup, "sft_loss", nan_from_second_call)
+    out = tmp_path / "run"
+    argv = ["--data_path", TINY_DATA, "--max_seq_len", "256", "--per_device_train_batch_size", "4",
+            "--max_eval_samples", "8", "--max_steps", "6", "--save_steps", "1", "--disable_progress_bar",
+            "--output_dir", str(out), "--data_output_path", str(tmp_path / "data"), "--max_skipped_steps", "3",
+            "--keep_checkpoints", "5"]
+    with pytest.raises(NonFiniteError, match=r"step 4: 3 consecutive steps had a non-finite loss \(1 micro-batches\)"):
+        load_main(STEP1)(argv)
+    rows = [m for m in read_metrics(out) if "train/skipped_updates" in m]
+    assert [(m["step"], m["train/skipped_updates"]) for m in rows] == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    # steps 2 and 3 were dropped: their checkpoints hold step 1's weights; step 4 stopped before saving
+    assert (out / "checkpoints/latest").read_text() == "step00000003"
+    w1 = torch.load(next((out / "checkpoints/step00000001").rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    w3 = torch.load(next((out / "checkpoints/step00000003").rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    assert all(torch.equal(w1["module"][k], w3["module"][k]) for k in w1["module"])
