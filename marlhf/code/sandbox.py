@@ -212,24 +212,17 @@ def _test_verdict(test: TestCase, raw: dict, isolation: str) -> TestResult:
 
 
 # --------------------------------------------------------------------------------------------- running
-@dataclasses.dataclass(frozen=True)
-class _Interpreter:
-    executable: str  # the host path
-    prefix: str  # installation prefix, bound read-only into the jail
-    in_jail: str  # its path inside the jail
-    libdir_in_jail: str  # libpython may be found through an absolute RUNPATH the jailed uid cannot read
-
-
 @functools.cache
-def _interpreter(python: str) -> _Interpreter:
+def _interpreter(python: str) -> tuple[str, str]:
+    """(real path, installation prefix) of the interpreter that runs programs; the jail binds the prefix
+    read-only at its own path."""
     real = os.path.realpath(python)
     out = subprocess.run([real, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"],
                          capture_output=True, text=True, check=True)
     prefix = os.path.realpath(out.stdout.strip())
     if os.path.commonpath([prefix, real]) != prefix:
         raise SandboxError(f"interpreter {real} is not inside its prefix {prefix}; pass python= explicitly")
-    rel = os.path.relpath(real, prefix)
-    return _Interpreter(real, prefix, "/var/tmp/py/" + rel, "/var/tmp/py/lib")
+    return real, prefix
 
 
 def _supervise(job: dict, timeout: float) -> tuple[list[dict] | None, str]:
@@ -253,7 +246,7 @@ def _supervise(job: dict, timeout: float) -> tuple[list[dict] | None, str]:
 
 def _run_chunk(source: str, tests: Sequence[TestCase], first_index: int, limits: Limits, isolation: str,
                python: str) -> list[TestResult]:
-    interp = _interpreter(python)
+    executable, prefix = _interpreter(python)
     work_dir = tempfile.mkdtemp(prefix="marlhf-sandbox-")
     try:
         os.chmod(work_dir, 0o755)  # isolation "none" + a dropped uid: the program must reach its test dir
@@ -266,10 +259,8 @@ def _run_chunk(source: str, tests: Sequence[TestCase], first_index: int, limits:
         job = {
             "isolation": isolation,
             "uid_base": SANDBOX_UID_BASE if isolation == "root" else None,
-            "python": interp.executable,
-            "python_prefix": interp.prefix,
-            "python_in_jail": interp.in_jail,
-            "python_libdir_in_jail": interp.libdir_in_jail,
+            "python": executable,
+            "python_prefix": prefix,
             "work_dir": work_dir,
             "code_dir": str(code_dir),
             "limits": limits.as_job(),
@@ -306,11 +297,14 @@ def resolve_isolation(isolation: str = "auto", python: str | None = None) -> str
         if isolation == "none" and os.geteuid() == 0:
             raise SandboxError("refusing to run untrusted programs as root without namespaces (isolation "
                                "'none'): a program could signal or overwrite anything on this machine")
+        if isolation == "userns" and os.geteuid() == 0:
+            raise SandboxError("isolation 'userns' is for unprivileged callers: as root the program would be "
+                               "root in its user namespace (mapped to the host's root); use 'root'")
         return isolation
     python = python or sys.executable
     probe = [TestCase("stdin", "", "ok")]
     reasons = []
-    for level in ("root", "userns") if os.geteuid() == 0 else ("userns",):
+    for level in ("root",) if os.geteuid() == 0 else ("userns",):
         try:
             if _run_chunk("print('ok')", probe, 0, Limits(), level, python)[0].verdict == PASS:
                 return level
