@@ -132,14 +132,31 @@ def build_root(job, test_dir, root):
     os.chdir("/")
 
 
-def set_limits(limits):
+def processes_of_uid(uid):
+    """Live processes (threads not counted) whose real uid is ``uid``."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    count += any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f)
+            except OSError:
+                continue
+    return count
+
+
+def set_limits(limits, shared_uid):
+    """rlimits of the program.  RLIMIT_NPROC counts every process of the uid: with a uid of its own (or a
+    user namespace) that is the program's; with a ``shared_uid`` (isolation "none") the caller's
+    processes count too, so the program gets ``max_processes`` more than there are now."""
     cpu = int(limits["cpu_s"])
+    nproc = limits["max_processes"] + (processes_of_uid(os.getuid()) if shared_uid else 0)
     for res, value in (
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
         (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
         (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
         (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
-        (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2),
+        (resource.RLIMIT_NPROC, (nproc, nproc)),
         (resource.RLIMIT_CORE, (0, 0)),
     ):
         resource.setrlimit(res, value)
@@ -158,7 +175,7 @@ def exec_program(job, stdin_fd, out_fd, err_fd, setup_fd, in_jail):
     python = job["python"]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work}
     os.chdir(work)
-    set_limits(job["limits"])
+    set_limits(job["limits"], shared_uid=not in_jail)
     if job["uid"] is not None:  # last: setting limits above needs privileges the program must not keep
         os.setgroups([])
         os.setresgid(job["uid"], job["uid"], job["uid"])
@@ -239,23 +256,38 @@ def children_of(pid):
     return found
 
 
+def reap():
+    """Collect every child that has exited, without blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def sweep():
-    """Kill and reap every remaining descendant (each is our child: we are the subreaper)."""
-    me = os.getpid()
-    quiet_rounds = 0
-    while quiet_rounds < 2:  # a dying parent may hand us new orphans: stop after two empty rounds
+    """Kill and reap every remaining descendant (each is our child: we are the subreaper).
+
+    Each found process's whole process group is killed too: a fork bomb's copies share the program's
+    group, and a group kill reaches all of them at once (the kernel fails forks racing with it).  Orphans
+    handed to us while we work are caught by the next round; never block on a child we have not killed.
+    """
+    me, own_group = os.getpid(), os.getpgrp()
+    while True:
         pids = children_of(me)
+        if not pids:
+            return
         for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(OSError):
+                group = os.getpgid(pid)
+                if group != own_group:
+                    os.killpg(group, signal.SIGKILL)
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG if not pids else 0)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-        quiet_rounds = quiet_rounds + 1 if not pids else 0
+        reap()
+        time.sleep(0.002)
 
 
 def run_test(job, test, index):

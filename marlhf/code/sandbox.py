@@ -79,6 +79,9 @@ class Limits:
         }
 
 
+DEFAULT_LIMITS = Limits()
+
+
 @dataclasses.dataclass(frozen=True)
 class TestCase:
     """One unit test.  ``kind`` "stdin": ``input`` is the text on stdin, ``expected`` the text on stdout.
