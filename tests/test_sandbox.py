@@ -366,3 +366,4 @@ def test_signals_are_named():
     r = run1("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
     assert r.verdict == "runtime_error" and "SIGSEGV" in r.tests[0].detail
     assert signal.SIGXCPU  # the CPU limit's signal exists here (maps to timeout)
+    assert run1("raise SystemExit(200)").tests[0].detail == "exit code 200"  # 72 is no signal: no crash

@@ -1,18 +1,21 @@
 """Sandboxed execution of generated programs against unit tests, and the compiler-signal reward (paper B.5).
 
 Every test runs in a fresh jail (see ``_supervisor.py`` for the process tree): its own session and
-process group, its own pid, network and mount namespaces where the OS allows it, an empty working
-directory removed afterwards, an unprivileged uid when we are root, rlimits on CPU time, address space,
-processes, file size and open files, a wall-clock limit, and stdout captured up to a cap.  A test's
-verdict is one of :data:`VERDICTS`; a program's verdict and reward follow from its tests' verdicts.
+process group; its own pid, network and mount namespaces where the OS allows it; a root filesystem of
+read-only system directories, the interpreter and the program, with an empty ``/tmp`` (its working
+directory, removed afterwards) the only writable place; a minimal environment; an unprivileged uid of its
+own when we are root; rlimits on CPU time, address space, processes, file size and open files; a
+wall-clock limit; stdout captured up to a cap.  A test's verdict is one of :data:`VERDICTS`; a program's
+verdict and reward follow from its tests' verdicts.
 
-Isolation levels (``isolation=`` argument, "auto" picks the strongest that works here):
-- ``"root"``: running as root: namespaces + a per-run unprivileged uid (no access to the host's files
-  beyond world-readable ones, which are mounted read-only; cannot signal or see the host's processes).
-- ``"userns"``: unprivileged user namespaces (same namespaces, the program keeps the caller's uid).
-- ``"none"``: no namespaces available.  A warning is logged: the network is blocked only inside Python
-  (socket constructors replaced), orphans are still killed (the supervisor is a child subreaper) but the
-  program runs with the caller's uid and can see its files and processes.
+Isolation levels (``isolation=`` argument, "auto" picks the one that works here):
+- ``"root"``: the caller is root: namespaces + the jail + a per-run unprivileged uid (the program cannot
+  see the host's files outside the system directories, nor its processes, nor the network).
+- ``"userns"``: unprivileged callers with user namespaces enabled: the same jail; the program keeps the
+  caller's (non-root) uid and holds no capabilities.
+- ``"none"``: no namespaces available (refused as root).  A warning is logged: the network is blocked
+  only inside Python (socket constructors replaced); orphans are still killed (the supervisor is a child
+  subreaper) but the program runs with the caller's uid and can see its files and processes.
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ def _test_verdict(test: TestCase, raw: dict, isolation: str) -> TestResult:
     if code != 0:
         lines = raw["stderr_tail"].strip().splitlines()
         why = lines[-1] if lines else ""
-        if code > 128:
+        if code - 128 in signal.valid_signals():  # (an exit status above 128 may also be the program's own)
             why = f"killed by {signal.Signals(code - 128).name}" + (f" ({why})" if why else "")
         return TestResult(RUNTIME_ERROR, why or f"exit code {code}", wall)
     if outputs_match(test, raw["stdout"]):
