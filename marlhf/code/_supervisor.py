@@ -7,7 +7,7 @@ only the standard library and never imports the project, so it runs the same und
 Process tree per test (``isolation`` "root" or "userns"):
 
     supervisor (child subreaper)
-      └─ C: unshare(mount, network, pid [, user]) and build the mounts    own process group
+      └─ C: unshare(mount, network, pid [, user]), build a fresh root    own process group
            └─ P: pid 1 of the new pid namespace, mounts a private /proc    same process group as C
                 └─ Q: the program: setsid, rlimits, unprivileged uid, exec python harness
 
@@ -35,10 +35,16 @@ CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
 MS_BIND = 4096
+MS_MOVE = 8192
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+ST_RELATIME = 4096
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
 
@@ -68,34 +74,89 @@ def prctl(option, value):
 
 
 # ------------------------------------------------------------------------------------------- inside the jail
-def build_mounts(job, test_dir):
-    """Mount namespace of one test: everything read-only except its own empty directory.
+# What the jailed interpreter may see of the host, read-only: the system directories (libc, /etc for
+# locale and time zones) and four harmless devices.  Everything else (/root, /home, /work, other jails'
+# directories, host processes) does not exist inside.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+_KEEP_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME  # statvfs bits equal these
 
-    The test's directory is bound over /tmp (the program's cwd and HOME); /var/tmp becomes a read-only
-    tmpfs holding the interpreter (``py``) and the harness + program (``code``); /dev/shm an empty
-    read-only tmpfs;
-    finally the root filesystem is remounted read-only, so no path outside /tmp is writable.
+
+def _bind(source, root, target, writable=False):
+    """Bind ``source`` at ``root + target``; read-only unless ``writable``.  The flags the mount already
+    has are kept on the read-only remount (a user namespace may not clear locked ones)."""
+    path = root + target
+    if os.path.isdir(source):
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+    mount(source, path, None, MS_BIND | MS_REC)
+    if not writable:
+        st = os.statvfs(path)
+        flags = (st.f_flag & _KEEP_FLAGS) | (MS_RELATIME if st.f_flag & ST_RELATIME else 0)
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | flags)
+
+
+def build_root(job, test_dir, root):
+    """Make ``root`` (an empty directory) the test's whole filesystem and enter it.
+
+    A small tmpfs holds read-only binds of :data:`SYSTEM_DIRS`, :data:`DEVICES`, the interpreter's prefix
+    (at its own path, so it needs no relocation) and the harness + program (``/code``), and the test's
+    empty directory as the only writable place, ``/tmp`` (its cwd and HOME).  The tmpfs is then made
+    read-only, moved over ``/`` and chrooted into; the program never holds CAP_SYS_CHROOT (an unprivileged
+    uid, or a non-root uid inside the user namespace), so it cannot climb back out.
     """
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    mount("tmpfs", "/var/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
-    for name, source in (("py", job["python_prefix"]), ("code", job["code_dir"])):
-        os.mkdir("/var/tmp/" + name)
-        mount(source, "/var/tmp/" + name, None, MS_BIND | MS_REC)
-        mount(None, "/var/tmp/" + name, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-    mount(None, "/var/tmp", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    mount(test_dir, "/tmp", None, MS_BIND)  # last: the sources above may live under /tmp
-    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=755")
-    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    bound = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):  # merged /usr: /bin -> usr/bin
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir(path):
+            _bind(path, root, path)
+            bound.append(path)
+    for dev in DEVICES:
+        if os.path.exists(dev):
+            _bind(dev, root, dev)
+    prefix = job["python_prefix"]
+    if not any(prefix == d or prefix.startswith(d + "/") for d in bound):
+        _bind(prefix, root, prefix)
+    _bind(job["code_dir"], root, "/code")
+    _bind(test_dir, root, "/tmp", writable=True)
+    os.mkdir(root + "/proc")
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    mount(root, "/", None, MS_MOVE)
+    os.chroot(".")
+    os.chdir("/")
 
 
-def set_limits(limits):
+def processes_of_uid(uid):
+    """Live processes (threads not counted) whose real uid is ``uid``."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    count += any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f)
+            except OSError:
+                continue
+    return count
+
+
+def set_limits(limits, shared_uid):
+    """rlimits of the program.  RLIMIT_NPROC counts every process of the uid: with a uid of its own (or a
+    user namespace) that is the program's; with a ``shared_uid`` (isolation "none") the caller's
+    processes count too, so the program gets ``max_processes`` more than there are now."""
     cpu = int(limits["cpu_s"])
+    nproc = limits["max_processes"] + (processes_of_uid(os.getuid()) if shared_uid else 0)
     for res, value in (
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
         (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
         (resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2),
         (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
-        (resource.RLIMIT_NPROC, (limits["max_processes"],) * 2),
+        (resource.RLIMIT_NPROC, (nproc, nproc)),
         (resource.RLIMIT_CORE, (0, 0)),
     ):
         resource.setrlimit(res, value)
@@ -110,13 +171,11 @@ def exec_program(job, stdin_fd, out_fd, err_fd, setup_fd, in_jail):
     os.closerange(3, setup_fd)
     os.closerange(setup_fd + 1, 65536)
     work = "/tmp" if in_jail else job["test_dir"]
-    code = "/var/tmp/code" if in_jail else job["code_dir"]
-    python = job["python_in_jail"] if in_jail else job["python"]
+    code = "/code" if in_jail else job["code_dir"]
+    python = job["python"]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work}
-    if in_jail and job["python_libdir_in_jail"]:
-        env["LD_LIBRARY_PATH"] = job["python_libdir_in_jail"]
     os.chdir(work)
-    set_limits(job["limits"])
+    set_limits(job["limits"], shared_uid=not in_jail)
     if job["uid"] is not None:  # last: setting limits above needs privileges the program must not keep
         os.setgroups([])
         os.setresgid(job["uid"], job["uid"], job["uid"])
@@ -153,16 +212,18 @@ def jail(job, stdin_fd, out_fd, err_fd, setup_fd):
     if isolation == "root":
         unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID)
     elif isolation == "userns":
+        # Identity map of our own (non-root) uid: we keep the namespace's capabilities to build the jail,
+        # and the program, exec'd as a non-root uid, loses them all.
         uid, gid = os.getuid(), os.getgid()
         unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID)
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
         with open("/proc/self/uid_map", "w") as f:
-            f.write(f"0 {uid} 1")
+            f.write(f"{uid} {uid} 1")
         with open("/proc/self/gid_map", "w") as f:
-            f.write(f"0 {gid} 1")
+            f.write(f"{gid} {gid} 1")
     if in_jail:
-        build_mounts(job, job["test_dir"])
+        build_root(job, job["test_dir"], job["root_dir"])
     p = os.fork()
     if p == 0:
         code = SETUP_FAILED
@@ -195,29 +256,46 @@ def children_of(pid):
     return found
 
 
+def reap():
+    """Collect every child that has exited, without blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def sweep():
-    """Kill and reap every remaining descendant (each is our child: we are the subreaper)."""
-    me = os.getpid()
-    quiet_rounds = 0
-    while quiet_rounds < 2:  # a dying parent may hand us new orphans: stop after two empty rounds
+    """Kill and reap every remaining descendant (each is our child: we are the subreaper).
+
+    Each found process's whole process group is killed too: a fork bomb's copies share the program's
+    group, and a group kill reaches all of them at once (the kernel fails forks racing with it).  Orphans
+    handed to us while we work are caught by the next round; never block on a child we have not killed.
+    """
+    me, own_group = os.getpid(), os.getpgrp()
+    while True:
         pids = children_of(me)
+        if not pids:
+            return
         for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(OSError):
+                group = os.getpgid(pid)
+                if group != own_group:
+                    os.killpg(group, signal.SIGKILL)
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG if not pids else 0)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-        quiet_rounds = quiet_rounds + 1 if not pids else 0
+        reap()
+        time.sleep(0.002)
 
 
 def run_test(job, test, index):
     limits = job["limits"]
     test_dir = os.path.join(job["work_dir"], f"test{index}")
     os.mkdir(test_dir, 0o700)
+    root_dir = os.path.join(job["work_dir"], f"root{index}")  # mount point of the jail's root (stays empty)
+    os.mkdir(root_dir, 0o755)
     if job["uid"] is not None:
         os.chown(test_dir, job["uid"], job["uid"])
     stdin_fd = os.memfd_create("stdin")
@@ -236,7 +314,7 @@ def run_test(job, test, index):
             os.close(r_out)
             os.close(r_err)
             os.close(r_setup)
-            jail(dict(job, test=test, test_dir=test_dir), stdin_fd, w_out, w_err, w_setup)
+            jail(dict(job, test=test, test_dir=test_dir, root_dir=root_dir), stdin_fd, w_out, w_err, w_setup)
         except BaseException as err:  # noqa: BLE001
             os.write(w_setup, f"{err!r}\n".encode())
         os._exit(SETUP_FAILED)

@@ -1,18 +1,21 @@
 """Sandboxed execution of generated programs against unit tests, and the compiler-signal reward (paper B.5).
 
 Every test runs in a fresh jail (see ``_supervisor.py`` for the process tree): its own session and
-process group, its own pid, network and mount namespaces where the OS allows it, an empty working
-directory removed afterwards, an unprivileged uid when we are root, rlimits on CPU time, address space,
-processes, file size and open files, a wall-clock limit, and stdout captured up to a cap.  A test's
-verdict is one of :data:`VERDICTS`; a program's verdict and reward follow from its tests' verdicts.
+process group; its own pid, network and mount namespaces where the OS allows it; a root filesystem of
+read-only system directories, the interpreter and the program, with an empty ``/tmp`` (its working
+directory, removed afterwards) the only writable place; a minimal environment; an unprivileged uid of its
+own when we are root; rlimits on CPU time, address space, processes, file size and open files; a
+wall-clock limit; stdout captured up to a cap.  A test's verdict is one of :data:`VERDICTS`; a program's
+verdict and reward follow from its tests' verdicts.
 
-Isolation levels (``isolation=`` argument, "auto" picks the strongest that works here):
-- ``"root"``: running as root: namespaces + a per-run unprivileged uid (no access to the host's files
-  beyond world-readable ones, which are mounted read-only; cannot signal or see the host's processes).
-- ``"userns"``: unprivileged user namespaces (same namespaces, the program keeps the caller's uid).
-- ``"none"``: no namespaces available.  A warning is logged: the network is blocked only inside Python
-  (socket constructors replaced), orphans are still killed (the supervisor is a child subreaper) but the
-  program runs with the caller's uid and can see its files and processes.
+Isolation levels (``isolation=`` argument, "auto" picks the one that works here):
+- ``"root"``: the caller is root: namespaces + the jail + a per-run unprivileged uid (the program cannot
+  see the host's files outside the system directories, nor its processes, nor the network).
+- ``"userns"``: unprivileged callers with user namespaces enabled: the same jail; the program keeps the
+  caller's (non-root) uid and holds no capabilities.
+- ``"none"``: no namespaces available (refused as root).  A warning is logged: the network is blocked
+  only inside Python (socket constructors replaced); orphans are still killed (the supervisor is a child
+  subreaper) but the program runs with the caller's uid and can see its files and processes.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class Limits:
             "output_bytes": self.output_kb << 10,
             "open_files": self.open_files,
         }
+
+
+DEFAULT_LIMITS = Limits()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +209,7 @@ def _test_verdict(test: TestCase, raw: dict, isolation: str) -> TestResult:
     if code != 0:
         lines = raw["stderr_tail"].strip().splitlines()
         why = lines[-1] if lines else ""
-        if code > 128:
+        if code - 128 in signal.valid_signals():  # (an exit status above 128 may also be the program's own)
             why = f"killed by {signal.Signals(code - 128).name}" + (f" ({why})" if why else "")
         return TestResult(RUNTIME_ERROR, why or f"exit code {code}", wall)
     if outputs_match(test, raw["stdout"]):
@@ -212,24 +218,17 @@ def _test_verdict(test: TestCase, raw: dict, isolation: str) -> TestResult:
 
 
 # --------------------------------------------------------------------------------------------- running
-@dataclasses.dataclass(frozen=True)
-class _Interpreter:
-    executable: str  # the host path
-    prefix: str  # installation prefix, bound read-only into the jail
-    in_jail: str  # its path inside the jail
-    libdir_in_jail: str  # libpython may be found through an absolute RUNPATH the jailed uid cannot read
-
-
 @functools.cache
-def _interpreter(python: str) -> _Interpreter:
+def _interpreter(python: str) -> tuple[str, str]:
+    """(real path, installation prefix) of the interpreter that runs programs; the jail binds the prefix
+    read-only at its own path."""
     real = os.path.realpath(python)
     out = subprocess.run([real, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"],
                          capture_output=True, text=True, check=True)
     prefix = os.path.realpath(out.stdout.strip())
     if os.path.commonpath([prefix, real]) != prefix:
         raise SandboxError(f"interpreter {real} is not inside its prefix {prefix}; pass python= explicitly")
-    rel = os.path.relpath(real, prefix)
-    return _Interpreter(real, prefix, "/var/tmp/py/" + rel, "/var/tmp/py/lib")
+    return real, prefix
 
 
 def _supervise(job: dict, timeout: float) -> tuple[list[dict] | None, str]:
@@ -253,7 +252,7 @@ def _supervise(job: dict, timeout: float) -> tuple[list[dict] | None, str]:
 
 def _run_chunk(source: str, tests: Sequence[TestCase], first_index: int, limits: Limits, isolation: str,
                python: str) -> list[TestResult]:
-    interp = _interpreter(python)
+    executable, prefix = _interpreter(python)
     work_dir = tempfile.mkdtemp(prefix="marlhf-sandbox-")
     try:
         os.chmod(work_dir, 0o755)  # isolation "none" + a dropped uid: the program must reach its test dir
@@ -266,10 +265,8 @@ def _run_chunk(source: str, tests: Sequence[TestCase], first_index: int, limits:
         job = {
             "isolation": isolation,
             "uid_base": SANDBOX_UID_BASE if isolation == "root" else None,
-            "python": interp.executable,
-            "python_prefix": interp.prefix,
-            "python_in_jail": interp.in_jail,
-            "python_libdir_in_jail": interp.libdir_in_jail,
+            "python": executable,
+            "python_prefix": prefix,
             "work_dir": work_dir,
             "code_dir": str(code_dir),
             "limits": limits.as_job(),
@@ -306,11 +303,14 @@ def resolve_isolation(isolation: str = "auto", python: str | None = None) -> str
         if isolation == "none" and os.geteuid() == 0:
             raise SandboxError("refusing to run untrusted programs as root without namespaces (isolation "
                                "'none'): a program could signal or overwrite anything on this machine")
+        if isolation == "userns" and os.geteuid() == 0:
+            raise SandboxError("isolation 'userns' is for unprivileged callers: as root the program would be "
+                               "root in its user namespace (mapped to the host's root); use 'root'")
         return isolation
     python = python or sys.executable
     probe = [TestCase("stdin", "", "ok")]
     reasons = []
-    for level in ("root", "userns") if os.geteuid() == 0 else ("userns",):
+    for level in ("root",) if os.geteuid() == 0 else ("userns",):
         try:
             if _run_chunk("print('ok')", probe, 0, Limits(), level, python)[0].verdict == PASS:
                 return level

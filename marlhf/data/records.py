@@ -16,12 +16,17 @@ from marlhf.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One prompt with its responses.  ``rejected`` is None for SFT-only data (e.g. APPS)."""
+    """One prompt with its responses.  ``rejected`` is None for SFT-only data (e.g. APPS).
+
+    ``meta`` holds what a scorer needs besides the text, as JSON-able data (APPS: the problem's unit tests
+    ``input_output``, ``difficulty``, ``fn_name``, ``starter_code``, ``problem_id``); empty for most data.
+    """
 
     prompt: str
     chosen: str
     rejected: str | None = None
     source: str = ""  # "<file or dataset>:<row>" — where the record came from, for error messages
+    meta: dict = dataclasses.field(default_factory=dict, hash=False)  # not hashed: records stay hashable
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

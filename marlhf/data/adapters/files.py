@@ -142,10 +142,18 @@ def apps_problem_row(folder: Path, index: int) -> dict:
     """One problem folder as a row of the published (codeparrot/apps) schema.
 
     ``solutions`` and ``input_output`` stay JSON strings, exactly as in the hub rows, so the same row
-    function parses both; a missing file becomes a missing field.  metadata.json (difficulty, url) is not
-    read: nothing in a Record uses it.
+    function parses both; a missing file becomes a missing field.  metadata.json gives ``difficulty`` (kept
+    in the record's meta for per-difficulty pass@k).
     """
     row: dict = {"problem_id": int(folder.name) if folder.name.isdigit() else folder.name}
+    meta_path = folder / "metadata.json"
+    if meta_path.is_file():
+        try:
+            metadata = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(str(meta_path), index, "difficulty", f"unreadable metadata.json: {err}") from None
+        if isinstance(metadata, dict) and metadata.get("difficulty") is not None:
+            row["difficulty"] = metadata["difficulty"]
     for field, name in APPS_FILES.items():
         path = folder / name
         if path.is_file():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 
+from marlhf.code.apps import unit_tests_of
 from marlhf.data.records import DataError, Record, require_text
 
 HUMAN = "\n\nHuman:"
@@ -262,6 +263,18 @@ def apps_row(row: dict, file: str = "<row>", index: int = 0, max_solutions: int 
     if not isinstance(starter, str):
         raise DataError(file, index, "starter_code", f"expected text, got {type(starter).__name__}")
 
+    if io_spec:
+        try:  # the tests must be runnable: a bad one is this row's error, not a crash at reward time
+            unit_tests_of(io_spec)
+        except ValueError as err:
+            raise DataError(file, index, "input_output", str(err).removeprefix("input_output: ")) from None
+    difficulty = row.get("difficulty")
+    if difficulty is not None and not isinstance(difficulty, str):
+        raise DataError(file, index, "difficulty", f"expected text, got {type(difficulty).__name__}")
+
     prompt = apps_prompt(question, starter, call_based=bool(io_spec.get("fn_name")))
     kept = solutions if max_solutions is None else solutions[:max_solutions]
-    return [Record(prompt=prompt, chosen=s, rejected=None, source=_source(file, index)) for s in kept]
+    # What the program-test reward and pass@k need (paper B.5, §4.4), so no scorer re-parses the prompt.
+    meta = {"problem_id": row.get("problem_id"), "difficulty": difficulty or "", "fn_name": io_spec.get("fn_name"),
+            "starter_code": starter, "input_output": io_spec}
+    return [Record(prompt=prompt, chosen=s, rejected=None, source=_source(file, index), meta=meta) for s in kept]
