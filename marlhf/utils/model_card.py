@@ -72,8 +72,10 @@ def locate(folder: str | Path, model: str = "actor") -> StepOutput:
         arch = json.loads((cfg_dir / "config.json").read_text()).get("architectures") or [] if cfg_dir else []
         is_rm = any(a.endswith("ForSequenceClassification") for a in arch)
         return StepOutput(folder, run_dir, 2 if is_rm else 1, "reward model" if is_rm else "policy", adapter_only)
-    hint = " (only DeepSpeed checkpoints: the run stopped before exporting; resume it with --resume)" \
-        if (folder / "checkpoints").is_dir() else ""
+    hint = ""
+    if (folder / "checkpoints").is_dir() or (folder / "latest").is_file():
+        hint = (" (only DeepSpeed checkpoints, which this tool does not convert: finish the run with --resume, "
+                "or export the step's --output_dir)")
     raise ConfigError(f"{folder} is not a training step's output: no config.json with safetensors weights, no "
                       f"LoRA adapter_config.json, no actor/ or critic/ folder{hint}")
 
