@@ -52,12 +52,14 @@ def locate(folder: str | Path, model: str = "actor") -> StepOutput:
         raise ConfigError(f"{folder}: no such folder (give the --output_dir of a training step)")
     if model not in STEP3_MODELS:
         raise ConfigError(f"--model must be one of {', '.join(STEP3_MODELS)}, got {model!r}")
-    run_dir = folder if (folder / "args.json").is_file() else folder.parent
+    # args.json sits in the step's --output_dir: the folder, or up to two levels above (actor/lora_adapter)
+    run_dir = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / "args.json").is_file()),
+                   folder)
     args = _read_args(run_dir)
     if "actor_model_name_or_path" in args or any((folder / m).is_dir() for m in STEP3_MODELS):
         target = folder / model if (folder / model).is_dir() else folder
-        if target == folder and folder.name in STEP3_MODELS:
-            model = folder.name
+        if target == folder:  # given <out>/critic itself, or <out>/critic/lora_adapter
+            model = next((d.name for d in (folder, folder.parent) if d.name in STEP3_MODELS), model)
         if not (_has_weights(target) or _is_adapter(target)):
             raise ConfigError(f"{folder}: a step-3 output without a finished {model!r} model (no {model}/config.json"
                               f" and safetensors; the run may have stopped before exporting — only its DeepSpeed "
@@ -65,12 +67,11 @@ def locate(folder: str | Path, model: str = "actor") -> StepOutput:
         return StepOutput(target, run_dir, 3, model, not _has_weights(target))
     if _has_weights(folder) or _is_adapter(folder):
         adapter_only = not _has_weights(folder)
-        cfg_dir = folder
-        if adapter_only:
-            base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
-            cfg_dir = Path(base) if base and (Path(base) / "config.json").is_file() else None
-        arch = json.loads((cfg_dir / "config.json").read_text()).get("architectures") or [] if cfg_dir else []
-        is_rm = any(a.endswith("ForSequenceClassification") for a in arch)
+        if adapter_only:  # peft records the head: SEQ_CLS for a reward model, CAUSAL_LM for a policy
+            is_rm = json.loads((folder / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+        else:
+            arch = json.loads((folder / "config.json").read_text()).get("architectures") or []
+            is_rm = any(a.endswith("ForSequenceClassification") for a in arch)
         return StepOutput(folder, run_dir, 2 if is_rm else 1, "reward model" if is_rm else "policy", adapter_only)
     hint = ""
     if (folder / "checkpoints").is_dir() or (folder / "latest").is_file():
