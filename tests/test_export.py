@@ -102,3 +102,35 @@ def test_not_a_step_output_is_a_one_line_error(sft_run, tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("x")
     assert run_cli(main, ["--input", str(sft_run), "--output_dir", str(tmp_path / "full")]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_step3_critic_export_scores_equal(tmp_path):
+    """A step-3 layout (args.json + actor/ + critic/): --model critic exports the value model with equal scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from marlhf import embedded
+    from marlhf.data.formatting import ConversationFormat, write_format
+    from marlhf.models.loading import load_tokenizer, load_value_model
+
+    nano = str(embedded.prepare(size="nano").model_dir)
+    tok = load_tokenizer(nano, EOT)
+    run = tmp_path / "ppo"
+    critic = load_value_model(nano, tok)
+    critic.save_pretrained(run / "critic")
+    tok.save_pretrained(run / "critic")
+    write_format(run / "critic", ConversationFormat(EOT, "raw"))
+    (run / "actor").mkdir()
+    (run / "args.json").write_text(json.dumps({"actor_model_name_or_path": "out/sft", "data_path": ["synthetic"],
+                                               "critic_model_name_or_path": "out/rm", "ngram": 5}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 7, "time": 0, "eval/gold_score": 0.25}) + "\n")
+    assert run_cli(load_main(EXPORT), ["--input", str(run), "--model", "critic",
+                                       "--output_dir", str(tmp_path / "rel")]) == 0
+    ids = tok(["TL;DR: a cat" + EOT], return_tensors="pt")
+    with torch.no_grad():
+        a = AutoModelForSequenceClassification.from_pretrained(run / "critic")(**ids).logits
+        b = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rel")(**ids).logits
+    assert torch.equal(a, b)
+    card = (tmp_path / "rel" / "README.md").read_text()
+    assert "Step:** 3" in card and "critic" in card and "`out/sft`" in card and "| eval/gold_score | 0.25 | 7 |" in card
+    # the actor folder is empty: asking for it is a one-line user error, not a traceback
+    assert run_cli(load_main(EXPORT), ["--input", str(run), "--output_dir", str(tmp_path / "rel2")]) == 1
