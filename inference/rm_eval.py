@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Reward distributions of several policies: score their generations with a reward model (and, on the
+embedded task, its gold scorer), print per-policy statistics and mean shifts against a baseline policy,
+write a JSON report and a PNG of the distributions (the paper's Figs. 3 and 10).
+
+    python inference/rm_eval.py --reward_model out/step2 --generations sft.jsonl ppo.jsonl ma_ppo.jsonl \\
+        --baseline sft --output_json report.json --output_png scores.png
+
+Generations: JSON lines with ``prompt``, ``response`` and ``policy`` per row (one file per policy, or one
+file with several).  The gold scorer is used when the data is the embedded synthetic task: ``--data_path``,
+else the data the reward model was trained on (its run's ``args.json``); ``--gold off`` skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from marlhf.errors import ConfigError, run_cli
+from marlhf.eval.score_report import (
+    build_report,
+    format_report,
+    plot_distributions,
+    read_generations,
+    score_policies,
+    write_report,
+)
+
+log = logging.getLogger("marlhf")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reward_model", required=True, help="Step-2 output folder (or step 3's critic)")
+    p.add_argument("--generations", nargs="+", required=True, help="JSON lines: prompt, response, policy")
+    p.add_argument("--baseline", default=None, help="Policy whose mean the others' shifts are measured from")
+    p.add_argument("--gold", default="auto", choices=("auto", "on", "off"),
+                   help="The embedded task's gold scorer: auto = when the data is synthetic")
+    p.add_argument("--data_path", nargs="+", default=None,
+                   help="Dataset specs the generations come from (default: the reward model's training data)")
+    p.add_argument("--output_json", default=None)
+    p.add_argument("--output_png", default=None)
+    p.add_argument("--bins", type=int, default=30)
+    p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
+    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
+    p.add_argument("--max_seq_len", type=int, default=1024)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
+    return p.parse_args(argv)
+
+
+def recorded_data_path(model_dir: str) -> list[str] | None:
+    """The --data_path of the run that wrote ``model_dir`` (its args.json, beside it or one level up)."""
+    for folder in (Path(model_dir), Path(model_dir).parent):
+        path = folder / "args.json"
+        if path.is_file():
+            return json.loads(path.read_text()).get("data_path")
+    return None
+
+
+def gold_scorer(mode: str, data_path: list[str] | None, reward_model: str):
+    from marlhf.data.synthetic import gold_scores
+    from marlhf.rlhf.tasks import gold_scorer_for
+
+    if mode == "off":
+        return None
+    if mode == "on":
+        return gold_scores
+    return gold_scorer_for(data_path or recorded_data_path(reward_model) or [])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.bins < 1:
+        raise ConfigError(f"--bins must be at least 1, got {args.bins}")
+    generations = read_generations(args.generations)
+    if args.baseline is not None and args.baseline not in generations:
+        raise ConfigError(f"--baseline {args.baseline!r} is not one of the policies: {', '.join(generations)}")
+    from marlhf.eval.reward import Scorer
+
+    rm = Scorer(args.reward_model, args.end_of_conversation_token, args.max_seq_len, args.prompt_format)
+    scorers = {"reward_model": lambda p, r: rm(p, r, args.batch_size)}
+    gold = gold_scorer(args.gold, args.data_path, args.reward_model)
+    if gold is not None:
+        scorers["gold"] = gold
+    scores = score_policies(generations, scorers)
+    report = build_report(scores, args.baseline)
+    report["reward_model"] = args.reward_model
+    report["generations"] = list(args.generations)
+    print(format_report(report))
+    if args.output_json:
+        write_report(report, args.output_json)
+        log.info("wrote %s", args.output_json)
+    if args.output_png:
+        plot_distributions(scores, args.output_png, args.bins)
+        log.info("wrote %s", args.output_png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,36 @@
+"""Reward-model scoring of prompt/response pairs, tokenized exactly as step 2 trains on them.
+
+One copy for every tool that scores with a reward model (``rw_eval.py``, ``inference/rm_eval.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from marlhf.data.formatting import LongPromptPolicy
+from marlhf.data.pipeline import _pad, tokenize_phase
+from marlhf.data.records import BadRowPolicy, Record
+from marlhf.models.loading import load_tokenizer_and_format, load_value_model, sequence_scores
+
+
+class Scorer:
+    """``scorer(prompts, responses) -> scores`` of a step-2 reward model folder; the end token and prompt
+    format come from the folder's record unless given."""
+
+    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
+        self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
+        self.model = load_value_model(path, self.tok).eval()
+        self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
+        """Scores of prompt + response + end token, tokenized as step 2 tokenizes them (prompt format, length
+        limit, long prompts truncated from the left)."""
+        records = [Record(p, r, None, f"<input>:{i}") for i, (p, r) in enumerate(zip(prompts, responses), 1)]
+        items = tokenize_phase(records, 1, self.tok, eot=self.eot, max_seq_len=self.max_len, max_prompt_len=0,
+                               policy=BadRowPolicy(), prompt_format=self.format.prompt_format,
+                               long_prompts=LongPromptPolicy("truncate"))
+        out = []
+        for i in range(0, len(items), batch_size):
+            ids, mask = _pad([x["input_ids"] for x in items[i:i + batch_size]], self.tok.pad_token_id)
+            out += sequence_scores(self.model, ids, mask).tolist()
+        return out

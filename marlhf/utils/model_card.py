@@ -1,0 +1,213 @@
+"""Turn a step's output folder into a clean, self-describing Hugging Face folder with a model card.
+
+A step output holds the exported model (step 1: causal LM, step 2: reward model, step 3: ``actor/``,
+``critic/`` and maybe ``actor_ema/``), the run's flags (``args.json``, written by ``setup_run``), its
+metrics (``metrics.jsonl``), logs and DeepSpeed checkpoints.  :func:`export_step_output` copies only what
+inference needs — weights as safetensors, config with the KV cache on, tokenizer, a generation config that
+stops at the recorded end-of-conversation token, ``conversation_format.json`` — and writes a README.md
+naming base model, data, step, flags and final metrics.  A folder holding a peft LoRA adapter instead of
+merged weights is merged onto its base model first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from marlhf.errors import ConfigError
+
+log = logging.getLogger("marlhf")
+
+STEP_NAMES = {1: "supervised fine-tuning (step 1)", 2: "reward model (step 2)", 3: "MA-PPO RLHF (step 3)"}
+STEP3_MODELS = ("actor", "critic", "actor_ema")
+
+
+@dataclass
+class StepOutput:
+    model_dir: Path  # the folder with the model's weights (or its LoRA adapter)
+    run_dir: Path  # the folder with args.json / metrics.jsonl
+    step: int
+    role: str  # "policy" | "reward model" | "actor" | "critic" | "actor_ema"
+    adapter_only: bool  # a peft adapter without merged weights next to it
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")))
+
+
+def _is_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file()
+
+
+def locate(folder: str | Path, model: str = "actor") -> StepOutput:
+    """Which model of which step ``folder`` holds; a ConfigError saying what is missing otherwise.  ``model``
+    picks one of step 3's models (actor, critic, actor_ema)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: no such folder (give the --output_dir of a training step)")
+    if model not in STEP3_MODELS:
+        raise ConfigError(f"--model must be one of {', '.join(STEP3_MODELS)}, got {model!r}")
+    # args.json sits in the step's --output_dir: the folder, or up to two levels above (actor/lora_adapter)
+    run_dir = next((d for d in (folder, folder.parent, folder.parent.parent) if (d / "args.json").is_file()),
+                   folder)
+    args = _read_args(run_dir)
+    if "actor_model_name_or_path" in args or any((folder / m).is_dir() for m in STEP3_MODELS):
+        target = folder / model if (folder / model).is_dir() else folder
+        if target == folder:  # given <out>/critic itself, or <out>/critic/lora_adapter
+            model = next((d.name for d in (folder, folder.parent) if d.name in STEP3_MODELS), model)
+        if not (_has_weights(target) or _is_adapter(target)):
+            raise ConfigError(f"{folder}: a step-3 output without a finished {model!r} model (no {model}/config.json"
+                              f" and safetensors; the run may have stopped before exporting — only its DeepSpeed "
+                              f"checkpoints are there, which this tool does not convert)")
+        return StepOutput(target, run_dir, 3, model, not _has_weights(target))
+    if _has_weights(folder) or _is_adapter(folder):
+        adapter_only = not _has_weights(folder)
+        if adapter_only:  # peft records the head: SEQ_CLS for a reward model, CAUSAL_LM for a policy
+            is_rm = json.loads((folder / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+        else:
+            arch = json.loads((folder / "config.json").read_text()).get("architectures") or []
+            is_rm = any(a.endswith("ForSequenceClassification") for a in arch)
+        return StepOutput(folder, run_dir, 2 if is_rm else 1, "reward model" if is_rm else "policy", adapter_only)
+    hint = ""
+    if (folder / "checkpoints").is_dir() or (folder / "latest").is_file():
+        hint = (" (only DeepSpeed checkpoints, which this tool does not convert: finish the run with --resume, "
+                "or export the step's --output_dir)")
+    raise ConfigError(f"{folder} is not a training step's output: no config.json with safetensors weights, no "
+                      f"LoRA adapter_config.json, no actor/ or critic/ folder{hint}")
+
+
+def _read_args(run_dir: Path) -> dict:
+    path = run_dir / "args.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+
+
+def final_metrics(run_dir: Path) -> dict[str, tuple[int, float]]:
+    """The last logged value of every metric in ``metrics.jsonl``, with the step it was logged at."""
+    path = run_dir / "metrics.jsonl"
+    out: dict[str, tuple[int, float]] = {}
+    if not path.is_file():
+        return out
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s: line %d is not JSON (a run killed mid-write?); skipped", path, n)
+            continue
+        for key, value in row.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)):
+                out[key] = (row.get("step", -1), value)
+    return out
+
+
+def base_model_of(args: dict, step: int) -> str:
+    key = "actor_model_name_or_path" if step == 3 else "model_name_or_path"
+    return args.get(key) or "the embedded default tiny model (marlhf.embedded)"
+
+
+def render_model_card(src: StepOutput, args: dict, metrics: dict[str, tuple[int, float]], eot: str,
+                      prompt_format: str) -> str:
+    data = args.get("data_path") or []
+    lines = [f"# {src.model_dir.resolve().name}: MA-RLHF {STEP_NAMES[src.step]} — {src.role}", "",
+             f"- **Step:** {src.step} — {STEP_NAMES[src.step]}",
+             f"- **Model:** {src.role}",
+             f"- **Base model:** `{base_model_of(args, src.step)}`"]
+    if src.step == 3:
+        lines.append(f"- **Reward model / critic init:** `{args.get('critic_model_name_or_path') or '?'}`")
+    lines += [f"- **Data:** {', '.join(f'`{d}`' for d in data) if data else 'not recorded'}"
+              + (f" (split `{args['data_split']}`)" if args.get("data_split") else ""),
+              f"- **End-of-conversation token:** `{eot!r}`; **prompt format:** `{prompt_format}`",
+              f"- **Source:** `{src.model_dir.resolve()}`" + (" (LoRA adapter merged)" if src.adapter_only else ""),
+              "", "## Final metrics", ""]
+    if metrics:
+        lines += ["| metric | value | step |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.6g} | {s} |" for k, (s, v) in sorted(metrics.items())]
+    else:
+        lines.append("No metrics.jsonl was found beside the model.")
+    lines += ["", "## Training flags", ""]
+    if args:
+        lines += ["```json", json.dumps(args, indent=1, sort_keys=True), "```"]
+    else:
+        lines.append("Not recorded (no args.json beside the model).")
+    cls = "AutoModelForSequenceClassification" if src.role in ("reward model", "critic") else "AutoModelForCausalLM"
+    lines += ["", "## Use", "", "```python", f"from transformers import {cls}, AutoTokenizer", "",
+              "tok = AutoTokenizer.from_pretrained(PATH)",
+              f"model = {cls}.from_pretrained(PATH)  # generation stops at the recorded end token", "```", ""]
+    return "\n".join(lines)
+
+
+def _load(src: StepOutput, base_model: str, tok, dtype):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    is_value = src.role in ("reward model", "critic")
+    cls = AutoModelForSequenceClassification if is_value else AutoModelForCausalLM
+    if not src.adapter_only:
+        return cls.from_pretrained(src.model_dir, dtype=dtype)
+    from peft import PeftModel
+
+    adapter_cfg = json.loads((src.model_dir / "adapter_config.json").read_text())
+    base = base_model or adapter_cfg.get("base_model_name_or_path") or ""
+    if not base:
+        raise ConfigError(f"{src.model_dir}: a LoRA adapter without a recorded base model; give --base_model")
+    from marlhf.models.loading import resolve_model_path
+
+    extra = {"num_labels": 1} if is_value else {}
+    model = cls.from_pretrained(resolve_model_path(base), dtype=dtype, **extra)
+    if model.get_input_embeddings().weight.shape[0] < len(tok):
+        model.resize_token_embeddings(len(tok))
+    log.info("merging LoRA adapter %s onto %s", src.model_dir, base)
+    return PeftModel.from_pretrained(model, src.model_dir).merge_and_unload()
+
+
+def export_step_output(folder: str | Path, out_dir: str | Path, model: str = "actor", base_model: str = "",
+                       dtype: str = "auto", overwrite: bool = False) -> Path:
+    """Write ``folder``'s model as a clean HF folder with a README.md model card into ``out_dir``."""
+    from marlhf.data.formatting import FORMAT_FILE, write_format
+    from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids, torch_dtype
+
+    src = locate(folder, model)
+    out_dir = Path(out_dir)
+    if out_dir.resolve() == src.model_dir.resolve() or src.model_dir.resolve() in out_dir.resolve().parents:
+        raise ConfigError(f"--output_dir {out_dir} must not be the source folder or inside it")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"{out_dir} exists and is not empty (give --overwrite to replace it)")
+    tok_dir = src.model_dir
+    if src.adapter_only and not (src.model_dir / "tokenizer_config.json").is_file():
+        tok_dir = src.model_dir.parent  # export_hf keeps the adapter in <model>/lora_adapter/
+    if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"{src.model_dir}: no tokenizer saved with the model")
+    tok, fmt = load_tokenizer_and_format(str(tok_dir))
+    if not (tok_dir / FORMAT_FILE).is_file():
+        log.warning("%s: no %s; recording the tokenizer's own end token %r", tok_dir, FORMAT_FILE,
+                    fmt.end_of_conversation_token)
+    torch_type = "auto" if dtype == "auto" else torch_dtype(dtype)
+    hf = _load(src, base_model, tok, torch_type).eval()
+    hf.config.use_cache = True
+    hf.config.pad_token_id = tok.pad_token_id
+    if src.role not in ("reward model", "critic") and hf.generation_config is not None:
+        hf.generation_config.pad_token_id = tok.pad_token_id
+        hf.generation_config.eos_token_id = stop_token_ids(tok, fmt.end_of_conversation_token)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    with torch.no_grad():
+        hf.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    write_format(out_dir, fmt)
+    args = _read_args(src.run_dir)
+    card = render_model_card(src, args, final_metrics(src.run_dir), fmt.end_of_conversation_token,
+                             fmt.prompt_format)
+    (out_dir / "README.md").write_text(card)
+    log.info("exported %s (step %d %s) to %s", src.model_dir, src.step, src.role, out_dir)
+    return out_dir
