@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded default (built once per machine under $MARLHF_HOME) and run helpers."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -14,6 +15,15 @@ STEP3 = REPO / "training/step3_rlhf_finetuning/main.py"
 
 # small, fast settings shared by the training tests (the quick start uses larger ones)
 TINY_DATA = "synthetic:num_records=1200"
+
+
+@pytest.fixture(autouse=True)
+def _marlhf_logs_reach_caplog():
+    """Entry points run in-process call ``setup_logging``, which gives the 'marlhf' logger its own handlers
+    and stops propagation; restore it around every test so ``caplog`` sees the project's records."""
+    logging.getLogger("marlhf").propagate = True
+    yield
+    logging.getLogger("marlhf").propagate = True
 
 
 @pytest.fixture(scope="session")

@@ -166,6 +166,7 @@ def test_prompt_chosen_ptx_data_keeps_the_response_loss(embedded):
     from marlhf.rlhf.tasks import ptx_items
 
     args = SimpleNamespace(unsupervised_dataset_name="synthetic:num_records=50", unsup_coef=1.0, bad_rows="error",
-                           max_prompt_seq_len=160, max_answer_seq_len=64, end_of_conversation_token="<|endoftext|>")
+                           max_prompt_seq_len=160, max_answer_seq_len=64, end_of_conversation_token="<|endoftext|>",
+                           prompt_format="raw", long_prompts="truncate")
     items = ptx_items(args, load_tokenizer(""))
     assert items and all(it["response_start"] > 0 for it in items)
