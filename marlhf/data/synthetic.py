@@ -37,12 +37,12 @@ TASK_VERSION = 2
 # Vocabularies.  Invariant (tested): no item occurs inside another item or inside any template text, so a
 # whole-word match of an item is unambiguous evidence that the fact is mentioned.
 # ---------------------------------------------------------------------------------------------------------
+# Vocabularies are kept small (8-12 items a slot) so that a few-million-parameter model learns to copy
+# every item within the quick start's budget (issue 10: a fluent SFT policy on 2 CPU cores).
 RELATIONS: dict[str, str | None] = {  # relation -> fixed gender (None: either)
     "roommate": None,
     "boyfriend": "M",
     "girlfriend": "F",
-    "husband": "M",
-    "wife": "F",
     "sister": "F",
     "brother": "M",
     "mom": "F",
@@ -50,47 +50,9 @@ RELATIONS: dict[str, str | None] = {  # relation -> fixed gender (None: either)
     "neighbor": None,
     "coworker": None,
     "best friend": None,
-    "cousin": None,
-    "landlord": None,
-    "partner": None,
-    "stepdad": "M",
-    "aunt": "F",
-    "uncle": "M",
 }
-PLACES = [
-    "apartment",
-    "dorm room",
-    "house",
-    "studio",
-    "townhouse",
-    "condo",
-    "basement flat",
-    "trailer",
-    "farmhouse",
-    "loft",
-    "duplex",
-    "cabin",
-    "bungalow",
-    "attic flat",
-]
-PETS = [
-    "cat",
-    "dog",
-    "puppy",
-    "kitten",
-    "parrot",
-    "hamster",
-    "rabbit",
-    "ferret",
-    "turtle",
-    "snake",
-    "guinea pig",
-    "hedgehog",
-    "lizard",
-    "cockatiel",
-    "goat",
-    "chinchilla",
-]
+PLACES = ["apartment", "dorm room", "house", "studio", "condo", "trailer", "loft", "cabin"]
+PETS = ["cat", "dog", "puppy", "parrot", "hamster", "rabbit", "ferret", "turtle", "guinea pig", "goat"]
 PROBLEMS = [  # third person singular verb phrases: "the cat <problem>"
     "scratches the couch",
     "barks all night",
@@ -100,18 +62,10 @@ PROBLEMS = [  # third person singular verb phrases: "the cat <problem>"
     "knocks cups off the table",
     "hides under the bed",
     "wakes me up at dawn",
-    "escapes through the window",
-    "screams every morning",
     "eats my plants",
     "sheds on everything",
-    "growls at my guests",
-    "digs up the garden",
-    "chews the phone cables",
     "smells terrible",
     "pees on the carpet",
-    "breaks the blinds",
-    "howls when we leave",
-    "attacks my socks",
 ]
 TRIED = [  # noun phrases with their article; the article is not part of the matched key
     "a spray bottle",
@@ -122,18 +76,10 @@ TRIED = [  # noun phrases with their article; the article is not part of the mat
     "a vet visit",
     "a baby gate",
     "more exercise",
-    "a strict feeding schedule",
-    "a squeaky toy",
     "earplugs",
     "a pheromone diffuser",
-    "training pads",
     "a bark collar",
     "aluminium foil",
-    "a motion alarm",
-    "a white noise machine",
-    "bitter apple spray",
-    "a cardboard box fort",
-    "an automatic feeder",
 ]
 QUESTIONS = [  # verb phrases after "Should I ..."
     "move out",
@@ -141,17 +87,11 @@ QUESTIONS = [  # verb phrases after "Should I ..."
     "give an ultimatum",
     "split the cost of repairs",
     "ask for the money back",
-    "call a family meeting",
     "find it a new home",
     "set some ground rules",
     "just let it go",
     "end the lease early",
-    "take the pet to a shelter",
-    "stop visiting",
     "apologize first",
-    "bring it up again",
-    "ask my parents for help",
-    "start charging more rent",
 ]
 PET_NAMES = [
     "Mochi",
@@ -474,7 +414,9 @@ def _render(plan: _Plan) -> str:
 
 # Flaws of real (if imperfect) summaries.  Degenerate answers — cut, repeated, copied, far too long — are
 # not among them: the gold scorer puts those below the flawed summaries (tests/test_gold_adversarial.py).
-_FLAWS = ("drop", "drop", "invent", "swap_tags", "swap_order")
+# Dropped and invented facts dominate: a reward model of a few million weights learns them within the
+# quick start's budget, while swapped tags / sentence order (small gold differences) stay rarer.
+_FLAWS = ("drop", "drop", "drop", "invent", "invent", "swap_tags", "swap_order")
 
 
 def _base_plan(f: _Facts, rng: random.Random) -> _Plan:
