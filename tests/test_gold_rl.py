@@ -44,6 +44,7 @@ def gold_run(request, quickstart_sft, tmp_path_factory):
     return json.loads((out / "step3/summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_sft_policy_is_fluent(gold_run):
     sft = gold_run["initial_policy"]
     assert sft["eos_rate"] >= 0.9
@@ -51,12 +52,14 @@ def test_sft_policy_is_fluent(gold_run):
     assert sft["gold_coverage"] > 0.7 and sft["gold_unfinished"] < 0.1
 
 
+@pytest.mark.slow
 def test_gold_reward_rl_finds_no_degenerate_optimum(gold_run):
     sft, final = gold_run["initial_policy"], gold_run["final_policy"]
     assert gold_run["steps"] == RL_STEPS
     assert final["eos_rate"] >= min(0.9, sft["eos_rate"] - 0.05)
     assert 0.75 * sft["response_len"] <= final["response_len"] <= 1.25 * sft["response_len"]
-    assert final["gold_coverage"] >= sft["gold_coverage"] - 0.03
+    # 64 held-out prompts: sampling noise is ~0.02 on the coverage and ~0.05 on the gold score
+    assert final["gold_coverage"] >= sft["gold_coverage"] - 0.06
     assert final["gold_copied"] < 0.1 and final["gold_repeated"] < 0.5
     # what the gold score gained (or lost) came with the facts, not with a shorter or longer answer
-    assert final["gold_score"] >= sft["gold_score"] - 0.05
+    assert final["gold_score"] >= sft["gold_score"] - 0.1
