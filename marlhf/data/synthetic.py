@@ -7,14 +7,16 @@ duration, filler sentences) in varied phrasing and order.  A response is a summa
 
 Because every fact is a phrase from a closed vocabulary, :func:`gold_score` recovers the facts from the
 prompt *text alone* and can score any generation: credit for each key fact covered and for keeping the
-post's order, minus penalties for invented facts, repetition, an unfinished last sentence and length over
-a budget.  Every part of the response counts, so a mistake late in a generation costs reward — the
-property that makes credit assignment over long responses (the paper's motivation, §1) matter.
+post's order, scaled down by every flaw — invented facts, repetition, an unfinished last sentence or a
+missing end token, length over a budget, copying the post.  An answer with no key fact right sits at the
+bottom of the scale (<= -0.5), so no degenerate answer is a reward optimum (issue 10).  Every part of the
+response counts, so a mistake late in a generation costs reward — the property that makes credit
+assignment over long responses (the paper's motivation, §1) matter.
 
-Preference pairs (:func:`generate`) are two candidate summaries of varying quality (dropped, swapped,
-invented or repeated facts; truncation; over-long), the higher gold score chosen, with the label flipped
-with probability ``label_noise``.  Most candidates carry at least one flaw, so the SFT "chosen" responses
-are good but not the best possible and RL has room to improve (a flawless summary scores 1.0).
+Preference pairs (:func:`generate`) are a candidate summary (0-2 flaws: dropped, swapped or invented
+facts, sentences out of order) and a copy of it with 1-2 more flaws, the higher gold score chosen, with the
+label flipped with probability ``label_noise``.  Most chosen candidates carry a flaw, so the SFT "chosen"
+responses are good but not the best possible and RL has room to improve (a flawless summary scores 1.0).
 """
 
 from __future__ import annotations
