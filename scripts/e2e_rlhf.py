@@ -115,8 +115,10 @@ def print_summary(summary: dict) -> None:
     before, after = summary.get("initial_policy"), summary.get("final_policy")
     if before and after:
         print(f"{'held-out prompts':<22}{'SFT policy':>12}{'final policy':>14}")
-        for key in ("rm_score", "gold_score", "response_len"):
-            if key in before:
+        # the gold score's components (gold_coverage, ...) follow its total: why a policy scores what it does
+        keys = ["rm_score", "gold_score"] + [k for k in before if k.startswith("gold_") and k != "gold_score"]
+        for key in keys + ["response_len", "eos_rate"]:
+            if key in before and key in after:
                 print(f"{key:<22}{before[key]:>12.3f}{after[key]:>14.3f}")
 
 

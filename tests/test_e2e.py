@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import REPO
 
+from marlhf.data.synthetic import GOLD_COMPONENTS
+
 
 @pytest.mark.slow
 def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
@@ -24,10 +26,13 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
     assert summary["steps"] == 3
     for policy in ("initial_policy", "final_policy"):
-        assert {"rm_score", "gold_score", "response_len"} <= summary[policy].keys()
+        assert {"rm_score", "gold_score", "response_len", "eos_rate"} <= summary[policy].keys()
+        # the gold score's components are reported next to the total (issue 10)
+        assert {f"gold_{k}" for k in GOLD_COMPONENTS} <= summary[policy].keys()
     # step 3 started from step 1's model and step 2's reward model
     args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
     assert args3["actor_model_name_or_path"].endswith("run/step1")
     assert args3["critic_model_name_or_path"].endswith("run/step2")
     assert (tmp_path / "run/step3/actor/model.safetensors").exists()
     assert "SFT policy" in proc.stdout and "final policy" in proc.stdout
+    assert "gold_coverage" in proc.stdout and "gold_unfinished" in proc.stdout and "eos_rate" in proc.stdout

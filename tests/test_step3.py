@@ -65,7 +65,7 @@ def test_n5_run_trains_and_exports(run_n5, nano):
     assert not torch.equal(e[name], a[name]) and not torch.equal(e[name], init[name])  # EMA lies in between
     AutoModelForSequenceClassification.from_pretrained(run_n5 / "critic")
     summary = json.loads((run_n5 / "summary.json").read_text())
-    assert {"rm_score", "gold_score"} <= summary["final_policy"].keys()
+    assert {"rm_score", "gold_score", "gold_coverage", "gold_unfinished", "eos_rate"} <= summary["final_policy"].keys()
 
 
 def test_n1_is_vanilla_ppo(nano, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import statistics
 
@@ -11,17 +12,19 @@ import pytest
 from marlhf.data import synthetic
 from marlhf.data.records import DataError, Record
 from marlhf.data.synthetic import (
-    COVERAGE_WEIGHT,
+    COPY_ALLOWANCE,
+    COPY_SCALE,
     EXTRAS,
     FILLERS,
-    INVENTED_PENALTY,
+    FLOOR,
+    INVENTED_FACTOR,
     LENGTH_BUDGET_WORDS,
     ORDER_WEIGHT,
-    OVER_BUDGET_PENALTY,
-    REPEATED_FACT_PENALTY,
-    REPEATED_NGRAM_PENALTY,
+    OVER_LENGTH_SCALE,
+    REPEATED_FACTOR,
+    REPEATED_SENTENCE_FACTOR,
     SUBREDDITS,
-    UNFINISHED_PENALTY,
+    UNFINISHED_FACTOR,
     VOCAB_SLOTS,
     SyntheticConfig,
     generate,
@@ -41,12 +44,17 @@ PROMPT = (
     "Mochi two months ago. The problem is that the cat scratches the couch. We tried a spray bottle, but "
     "nothing changed. Should I move out?\nTL;DR:"
 )
-S1 = "I (24F) live in an apartment with my roommate (26M)."
+S1 = "I (24F) share an apartment with my roommate (26M)."
 S2 = "He got a cat that scratches the couch."
 S3 = "We tried a spray bottle, but it did not help."
 S4 = "Should I move out?"
 GOOD = " " + " ".join([S1, S2, S3, S4])
 SEVENTH = 1 / 7  # coverage + order share of one fact when everything else is right
+
+
+def scaled(content: float, factor: float = 1.0) -> float:
+    """The total of an answer with a fact right: FLOOR + (1 - FLOOR) x content x factor."""
+    return FLOOR + (1 - FLOOR) * content * factor
 
 
 def test_parse_post_recovers_the_facts_from_text():
@@ -66,52 +74,65 @@ def test_parse_post_recovers_the_facts_from_text():
 
 def test_good_summary_scores_one():
     details = score_details(PROMPT, GOOD)
-    assert details["coverage"] == pytest.approx(COVERAGE_WEIGHT)
-    assert details["order"] == pytest.approx(ORDER_WEIGHT)
-    assert all(
-        details[k] == 0 for k in ("invented", "repeated_facts", "repeated_ngrams", "length", "unfinished")
-    )
+    assert (details["coverage"], details["order"], details["factor"]) == (1.0, 1.0, 1.0)
+    assert all(details[k] == 0 for k in ("invented", "repeated", "length", "unfinished", "copied"))
     assert gold_score(PROMPT, GOOD) == pytest.approx(1.0)
+    assert gold_score(PROMPT, GOOD, ended=True) == pytest.approx(1.0)
 
 
 def test_hand_derived_scores_of_flawed_summaries():
     cases = {
         # one key fact dropped: lose its coverage share and its share of the order credit: 1 - 1/7
-        "dropped": (" " + " ".join([S1, S2, S4]), 1 - SEVENTH),
-        # an invented detail (a pet name the post does not contain): 1 - 0.15
-        "invented": (GOOD + " He named it Biscuit.", 1 - INVENTED_PENALTY),
+        "dropped": (" " + " ".join([S1, S2, S4]), scaled(1 - SEVENTH)),
+        # an invented detail (a pet name the post does not contain)
+        "invented": (GOOD + " He named it Biscuit.", scaled(1, INVENTED_FACTOR)),
         # a wrong fact = the right one dropped + an invented one
-        "replaced": (GOOD.replace("spray bottle", "baby gate"), 1 - SEVENTH - INVENTED_PENALTY),
-        # S2 said twice: pet and problem mentioned twice (2 x 0.1); the 8-word copy repeats 5 word 4-grams
+        "replaced": (GOOD.replace("spray bottle", "baby gate"), scaled(1 - SEVENTH, INVENTED_FACTOR)),
+        # S2 said twice: a repeated sentence, pet and problem mentioned twice, its 8 words repeat 5 4-grams
         "repeated": (
             " " + " ".join([S1, S2, S2, S3, S4]),
-            1 - 2 * REPEATED_FACT_PENALTY - 5 * REPEATED_NGRAM_PENALTY,
+            scaled(1, REPEATED_SENTENCE_FACTOR * REPEATED_FACTOR ** (2 + 5)),
         ),
         # truncated before the question's verb: question lost (1/7) and the last sentence unfinished
-        "truncated": (GOOD[: GOOD.index(" move out?")], 1 - SEVENTH - UNFINISHED_PENALTY),
+        "truncated": (GOOD[: GOOD.index(" move out?")], scaled(1 - SEVENTH, UNFINISHED_FACTOR)),
         # S3 before S2: (tried, pet) and (tried, problem) discordant, 19 of 21 pairs in order
-        "swapped_order": (" " + " ".join([S1, S3, S2, S4]), COVERAGE_WEIGHT + ORDER_WEIGHT * 19 / 21),
+        "swapped_order": (" " + " ".join([S1, S3, S2, S4]), scaled(1 - ORDER_WEIGHT + ORDER_WEIGHT * 19 / 21)),
         # the two age tags exchanged: narrator fact lost, relation with a wrong tag earns half (5.5 / 7),
         # order credit over the 6 facts still mentioned
         "swapped_tags": (
             GOOD.replace("(24F)", "(X)").replace("(26M)", "(24F)").replace("(X)", "(26M)"),
-            COVERAGE_WEIGHT * 5.5 / 7 + ORDER_WEIGHT * 6 / 7,
+            scaled((1 - ORDER_WEIGHT) * 5.5 / 7 + ORDER_WEIGHT * 6 / 7),
         ),
         # a wrong question in the very last sentence: a late mistake costs as much as an early one
-        "late_mistake": (GOOD.replace("move out", "give an ultimatum"), 1 - SEVENTH - INVENTED_PENALTY),
+        "late_mistake": (GOOD.replace("move out", "give an ultimatum"), scaled(1 - SEVENTH, INVENTED_FACTOR)),
     }
     for name, (response, expected) in cases.items():
         assert gold_score(PROMPT, response) == pytest.approx(expected), name
         assert gold_score(PROMPT, response) < gold_score(PROMPT, GOOD), name
 
 
-def test_over_long_summary_pays_per_word_over_budget():
+def test_over_long_summary_decays_per_word_over_budget():
     long = GOOD + " " + " ".join(EXTRAS[:4])
     n_words = len(long.split())
     assert n_words > LENGTH_BUDGET_WORDS
-    assert gold_score(PROMPT, long) == pytest.approx(
-        1 - OVER_BUDGET_PENALTY * (n_words - LENGTH_BUDGET_WORDS)
-    )
+    over = n_words - LENGTH_BUDGET_WORDS
+    assert gold_score(PROMPT, long) == pytest.approx(scaled(1, math.exp(-over / OVER_LENGTH_SCALE)))
+
+
+def test_no_end_token_copy_and_no_fact():
+    # generation ran into the length limit: the flawless text loses three quarters of its credit
+    assert gold_score(PROMPT, GOOD, ended=False) == pytest.approx(scaled(1, UNFINISHED_FACTOR))
+    # the post itself: 40 words, its four sentences of 8+ words (10 + 9 + 9 + 8) copied
+    copy = " " + PROMPT.split("POST: ")[1].split("\nTL;DR:")[0]
+    d = score_details(PROMPT, copy)
+    assert d["copied"] == pytest.approx(36 / 40)
+    assert d["repeated"] == 1  # "a cat named Mochi ... the cat scratches": the pet mentioned twice
+    copy_factor = math.exp(-COPY_SCALE * (36 / 40 - COPY_ALLOWANCE))
+    assert d["total"] == pytest.approx(scaled(1, REPEATED_FACTOR * copy_factor))
+    # no key fact: the floor, and an unfinished empty answer below it
+    assert gold_score(PROMPT, " I need advice.") == pytest.approx(FLOOR)
+    assert gold_score(PROMPT, "") == pytest.approx(FLOOR - (1 + FLOOR) * (1 - UNFINISHED_FACTOR))
+    assert gold_score(PROMPT, " Should I move out?") > FLOOR
 
 
 def test_score_depends_on_the_whole_response():
@@ -130,8 +151,11 @@ def test_text_after_end_of_conversation_is_ignored_and_case_is_not_a_fact():
 def test_gold_scores_and_bad_inputs():
     assert gold_scores([PROMPT, PROMPT], [GOOD, " Should I move out?"]) == [
         pytest.approx(1.0),
-        pytest.approx(COVERAGE_WEIGHT / 7 + ORDER_WEIGHT / 7),
+        pytest.approx(scaled(SEVENTH)),
     ]
+    assert gold_scores([PROMPT], [GOOD], ended=[False]) == [pytest.approx(scaled(1, UNFINISHED_FACTOR))]
+    with pytest.raises(ValueError, match="1 prompts but 1 responses and 2 end flags"):
+        gold_scores([PROMPT], [GOOD], ended=[True, False])
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         gold_scores([PROMPT, PROMPT], [GOOD])
     with pytest.raises(ValueError, match="no facts of the embedded task"):
@@ -201,7 +225,7 @@ def test_sft_chosen_is_good_but_leaves_room(noisy_and_clean):
     rejected = [gold_score(r.prompt, r.rejected) for r in clean]
     assert 0.7 < statistics.fmean(chosen) < 0.9  # the oracle scores 1.0
     assert statistics.fmean(rejected) < statistics.fmean(chosen) - 0.15
-    assert sum(c > 0.999 for c in chosen) / len(chosen) < 0.25  # most chosen summaries have a flaw
+    assert sum(c > 0.999 for c in chosen) / len(chosen) < 0.4  # most chosen summaries have a flaw
 
 
 def test_response_token_lengths_with_the_project_tokenizer(tmp_path, noisy_and_clean):
@@ -209,7 +233,7 @@ def test_response_token_lengths_with_the_project_tokenizer(tmp_path, noisy_and_c
 
     records = noisy_and_clean[0][:1000]
     tok = train_tokenizer([t for r in records for t in (r.prompt, r.chosen, r.rejected)], tmp_path, 2000)
-    assert len(tok) == 2000
+    assert 1500 < len(tok) <= 2000  # the small closed vocabularies may not fill all 2000 pieces
     lengths = [
         len(x)
         for x in tok([r.chosen for r in records] + [r.rejected for r in records], add_special_tokens=False)[

@@ -7,14 +7,16 @@ duration, filler sentences) in varied phrasing and order.  A response is a summa
 
 Because every fact is a phrase from a closed vocabulary, :func:`gold_score` recovers the facts from the
 prompt *text alone* and can score any generation: credit for each key fact covered and for keeping the
-post's order, minus penalties for invented facts, repetition, an unfinished last sentence and length over
-a budget.  Every part of the response counts, so a mistake late in a generation costs reward — the
-property that makes credit assignment over long responses (the paper's motivation, §1) matter.
+post's order, scaled down by every flaw — invented facts, repetition, an unfinished last sentence or a
+missing end token, length over a budget, copying the post.  An answer with no key fact right sits at the
+bottom of the scale (<= -0.5), so no degenerate answer is a reward optimum (issue 10).  Every part of the
+response counts, so a mistake late in a generation costs reward — the property that makes credit
+assignment over long responses (the paper's motivation, §1) matter.
 
-Preference pairs (:func:`generate`) are two candidate summaries of varying quality (dropped, swapped,
-invented or repeated facts; truncation; over-long), the higher gold score chosen, with the label flipped
-with probability ``label_noise``.  Most candidates carry at least one flaw, so the SFT "chosen" responses
-are good but not the best possible and RL has room to improve (a flawless summary scores 1.0).
+Preference pairs (:func:`generate`) are a candidate summary (0-2 flaws: dropped, swapped or invented
+facts, sentences out of order) and a copy of it with 1-2 more flaws, the higher gold score chosen, with the
+label flipped with probability ``label_noise``.  Most chosen candidates carry a flaw, so the SFT "chosen"
+responses are good but not the best possible and RL has room to improve (a flawless summary scores 1.0).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import random
 import re
 from collections.abc import Iterable, Sequence
@@ -30,18 +33,18 @@ from pathlib import Path
 from marlhf.data.records import DataError, Record, require_text
 
 # Bump when generated text or scoring changes, so cached embedded builds are not silently reused.
-TASK_VERSION = 1
+TASK_VERSION = 2
 
 # ---------------------------------------------------------------------------------------------------------
 # Vocabularies.  Invariant (tested): no item occurs inside another item or inside any template text, so a
 # whole-word match of an item is unambiguous evidence that the fact is mentioned.
 # ---------------------------------------------------------------------------------------------------------
+# Vocabularies are kept small (8-12 items a slot) so that a few-million-parameter model learns to copy
+# every item within the quick start's budget (issue 10: a fluent SFT policy on 2 CPU cores).
 RELATIONS: dict[str, str | None] = {  # relation -> fixed gender (None: either)
     "roommate": None,
     "boyfriend": "M",
     "girlfriend": "F",
-    "husband": "M",
-    "wife": "F",
     "sister": "F",
     "brother": "M",
     "mom": "F",
@@ -49,47 +52,9 @@ RELATIONS: dict[str, str | None] = {  # relation -> fixed gender (None: either)
     "neighbor": None,
     "coworker": None,
     "best friend": None,
-    "cousin": None,
-    "landlord": None,
-    "partner": None,
-    "stepdad": "M",
-    "aunt": "F",
-    "uncle": "M",
 }
-PLACES = [
-    "apartment",
-    "dorm room",
-    "house",
-    "studio",
-    "townhouse",
-    "condo",
-    "basement flat",
-    "trailer",
-    "farmhouse",
-    "loft",
-    "duplex",
-    "cabin",
-    "bungalow",
-    "attic flat",
-]
-PETS = [
-    "cat",
-    "dog",
-    "puppy",
-    "kitten",
-    "parrot",
-    "hamster",
-    "rabbit",
-    "ferret",
-    "turtle",
-    "snake",
-    "guinea pig",
-    "hedgehog",
-    "lizard",
-    "cockatiel",
-    "goat",
-    "chinchilla",
-]
+PLACES = ["apartment", "dorm room", "house", "studio", "condo", "trailer", "loft", "cabin"]
+PETS = ["cat", "dog", "puppy", "parrot", "hamster", "rabbit", "ferret", "turtle", "guinea pig", "goat"]
 PROBLEMS = [  # third person singular verb phrases: "the cat <problem>"
     "scratches the couch",
     "barks all night",
@@ -99,18 +64,10 @@ PROBLEMS = [  # third person singular verb phrases: "the cat <problem>"
     "knocks cups off the table",
     "hides under the bed",
     "wakes me up at dawn",
-    "escapes through the window",
-    "screams every morning",
     "eats my plants",
     "sheds on everything",
-    "growls at my guests",
-    "digs up the garden",
-    "chews the phone cables",
     "smells terrible",
     "pees on the carpet",
-    "breaks the blinds",
-    "howls when we leave",
-    "attacks my socks",
 ]
 TRIED = [  # noun phrases with their article; the article is not part of the matched key
     "a spray bottle",
@@ -121,18 +78,10 @@ TRIED = [  # noun phrases with their article; the article is not part of the mat
     "a vet visit",
     "a baby gate",
     "more exercise",
-    "a strict feeding schedule",
-    "a squeaky toy",
     "earplugs",
     "a pheromone diffuser",
-    "training pads",
     "a bark collar",
     "aluminium foil",
-    "a motion alarm",
-    "a white noise machine",
-    "bitter apple spray",
-    "a cardboard box fort",
-    "an automatic feeder",
 ]
 QUESTIONS = [  # verb phrases after "Should I ..."
     "move out",
@@ -140,17 +89,11 @@ QUESTIONS = [  # verb phrases after "Should I ..."
     "give an ultimatum",
     "split the cost of repairs",
     "ask for the money back",
-    "call a family meeting",
     "find it a new home",
     "set some ground rules",
     "just let it go",
     "end the lease early",
-    "take the pet to a shelter",
-    "stop visiting",
     "apologize first",
-    "bring it up again",
-    "ask my parents for help",
-    "start charging more rent",
 ]
 PET_NAMES = [
     "Mochi",
@@ -230,16 +173,32 @@ VOCAB_SLOTS: dict[str, list[str]] = {
     "duration": DURATIONS,
 }
 
-# Gold-score weights, in units of a flawless summary (= 1.0).  Coverage and order share the credit.
+# Gold score (DESIGN.md "The embedded task").  Content earns the credit; flaws *scale it down*:
+#
+#     content = COVERAGE_WEIGHT * covered + ORDER_WEIGHT * concordant * covered      (covered in [0, 1])
+#     total   = FLOOR + (1 - FLOOR) * content * factor       if any key fact is right  -> (FLOOR, 1]
+#     total   = FLOOR - (1 + FLOOR) * (1 - factor)           otherwise                 -> [-1, FLOOR]
+#
+# where ``factor`` in (0, 1] multiplies one factor per flaw.  Because every factor is positive, an answer
+# with a fact right always outscores one without (issue 10: a degenerate answer must never be a reward
+# optimum), and because flaws multiply rather than add, a degenerate answer (cut mid-sentence, no end
+# token, copied from the post, repeated, far too long) loses most of its content credit however many facts
+# it mentions.  Content flaws of real summaries (a dropped, swapped or invented fact) cost much less.
 COVERAGE_WEIGHT = 0.85  # split evenly over the key facts the post contains
 ORDER_WEIGHT = 0.15  # times the fraction of concordant fact pairs, times the covered fraction
-INVENTED_PENALTY = 0.15  # per distinct invented fact (vocabulary item / age tag absent from the post)
-REPEATED_FACT_PENALTY = 0.1  # per extra mention of a fact
-REPEATED_NGRAM_PENALTY = 0.02  # per word 4-gram that already occurred earlier in the response
-LENGTH_BUDGET_WORDS = 45  # a flawless summary needs 25-42 words
-OVER_BUDGET_PENALTY = 0.015  # per word beyond the budget
-UNFINISHED_PENALTY = 0.1  # last sentence does not end with . ! or ?
+FLOOR = -0.5  # the score of an answer covering no key fact (before its own flaws push it lower)
+INVENTED_FACTOR = 0.75  # per distinct invented fact (vocabulary item / age tag absent from the post)
+REPEATED_FACTOR = 0.8  # per extra mention of a key fact and per word 4-gram said before in the answer
+REPEATED_SENTENCE_FACTOR = 0.3  # per sentence that repeats an earlier one word for word
+LENGTH_BUDGET_WORDS = 45  # a flawless summary needs 22-38 words
+OVER_LENGTH_SCALE = 10.0  # factor exp(-words over budget / scale)
+UNFINISHED_FACTOR = 0.25  # last sentence without . ! ?; again when the answer has no end token
+COPY_NGRAM = 8  # copied = share of the answer's words inside a word 8-gram that also occurs in the post
+COPY_ALLOWANCE = 0.3  # summaries reuse some of the post's phrases (<= 0.31 measured); beyond, a copy
+COPY_SCALE = 12.0  # factor exp(-scale * (copied - allowance)) above the allowance
 END_OF_CONVERSATION = "<|endoftext|>"  # text from this marker on is not part of the response
+# Names of the components :func:`score_details` reports next to the total (means in evaluations).
+GOLD_COMPONENTS = ("coverage", "order", "invented", "repeated", "length", "unfinished", "copied")
 
 
 @dataclasses.dataclass
@@ -252,9 +211,12 @@ class SyntheticConfig:
     """Number of preference pairs."""
     label_noise: float = 0.1
     """Probability that a pair's label is flipped (chosen has the *lower* gold score)."""
-    flaw_weights: tuple[float, ...] = (0.08, 0.42, 0.34, 0.16)
-    """Probability of a candidate summary carrying 0, 1, 2, 3 ... flaws (dropped / swapped / invented /
-    repeated fact, truncation, over-long).  Few flawless candidates keep SFT "chosen" below the optimum."""
+    flaw_weights: tuple[float, ...] = (0.3, 0.5, 0.2)
+    """Probability of the *chosen-side* candidate carrying 0, 1, 2 ... flaws (dropped / swapped / invented
+    fact, sentences out of order).  Few flawless candidates keep SFT "chosen" below the optimum."""
+    extra_flaw_weights: tuple[float, ...] = (0.0, 0.6, 0.4)
+    """Probability of the *other* candidate carrying 0, 1, 2 ... flaws on top of the first one's: the pair
+    differs only in those flaws, so the preference says exactly what makes a summary worse."""
     filler_prob: float = 0.5
     """Probability of each of up to two filler sentences in a post (distractors without facts)."""
     max_tie_resamples: int = 20
@@ -265,10 +227,10 @@ class SyntheticConfig:
             raise ValueError(f"label_noise must be in [0, 0.5], got {self.label_noise}")
         if self.num_records < 1:
             raise ValueError(f"num_records must be >= 1, got {self.num_records}")
-        if not self.flaw_weights or min(self.flaw_weights) < 0 or sum(self.flaw_weights) <= 0:
-            raise ValueError(
-                f"flaw_weights must be non-negative with a positive sum, got {self.flaw_weights}"
-            )
+        for name in ("flaw_weights", "extra_flaw_weights"):
+            weights = getattr(self, name)
+            if not weights or min(weights) < 0 or sum(weights) <= 0:
+                raise ValueError(f"{name} must be non-negative with a positive sum, got {weights}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -394,9 +356,7 @@ class _Plan:
     keep: set[str]  # key slots mentioned
     style: list[int]  # template choice per sentence
     order: list[int]  # permutation of the body sentences (pet/problem, tried, question)
-    extras: list[str] = dataclasses.field(default_factory=list)  # appended sentences (over-long / invented)
-    repeat: int | None = None  # index of a sentence said twice
-    truncate: float | None = None  # keep this fraction of the words
+    extras: list[str] = dataclasses.field(default_factory=list)  # appended sentences (invented details)
 
 
 def _render(plan: _Plan) -> str:
@@ -405,12 +365,10 @@ def _render(plan: _Plan) -> str:
     w = f"my {f.rel} ({f.other})" if "who" in keep else None
     if "place" in keep:
         place = _a(f.place)
+        # worded unlike the post's intros (the scorer counts runs of 8+ words from the post as copying)
         intros = {
-            "NPW": [
-                f"{n} live in {place}" + (f" with {w}." if w else "."),
-                f"{n} share {place}" + (f" with {w}." if w else " with someone."),
-            ],
-            "WNP": [f"{_cap(w)} and {n} share {place}." if w else f"{n} live in {place}."],
+            "NPW": [f"{n} share {place}" + (f" with {w}." if w else " with someone.")],
+            "WNP": [f"{_cap(w)} and {n} live in {place}." if w else f"{n} live in {place}."],
             "NWP": [f"{n} and {w} live in {place}." if w else f"{n} live in {place}."],
         }
     else:
@@ -453,28 +411,31 @@ def _render(plan: _Plan) -> str:
     body = [pet, tried, question]
     sentences = [intro] + [body[i] for i in plan.order]
     sentences = [x for x in sentences if x] + plan.extras
-    if plan.repeat is not None:
-        i = plan.repeat % len(sentences)
-        sentences.insert(i + 1, sentences[i])
-    text = " ".join(sentences)
-    if plan.truncate is not None:
-        words = text.split(" ")
-        text = " ".join(words[: max(1, int(len(words) * plan.truncate))]).rstrip(",")
-    return " " + text
+    return " " + " ".join(sentences)
 
 
-_FLAWS = ("drop", "drop", "invent", "swap_tags", "swap_order", "repeat", "truncate", "long")
+# Flaws of real (if imperfect) summaries.  Degenerate answers — cut, repeated, copied, far too long — are
+# not among them: the gold scorer puts those below the flawed summaries (tests/test_gold_adversarial.py).
+_FLAWS = ("drop", "drop", "invent", "swap_tags", "swap_order")
 
 
-def _candidate(f: _Facts, rng: random.Random, cfg: SyntheticConfig) -> str:
-    plan = _Plan(
+def _base_plan(f: _Facts, rng: random.Random) -> _Plan:
+    return _Plan(
         facts=dataclasses.replace(f),
         keep=set(KEY_SLOTS),
         style=[rng.randrange(6) for _ in range(4)],
         order=[0, 1, 2],
     )
-    num_flaws = rng.choices(range(len(cfg.flaw_weights)), weights=cfg.flaw_weights)[0]
-    for flaw in rng.sample(_FLAWS, k=num_flaws):
+
+
+def _add_flaws(plan: _Plan, rng: random.Random, weights: Sequence[float]) -> _Plan:
+    """A copy of ``plan`` with k flaws applied (k drawn from ``weights``)."""
+    plan = dataclasses.replace(
+        plan, facts=dataclasses.replace(plan.facts), keep=set(plan.keep), order=list(plan.order),
+        extras=list(plan.extras),
+    )
+    num_flaws = rng.choices(range(len(weights)), weights=weights)[0]
+    for flaw in rng.choices(_FLAWS, k=num_flaws):
         if flaw == "drop":
             # The narrator tag and the question are the facts most often left out by real summaries.
             slot = rng.choice(["narrator", "narrator", "question", "tried", "place", "who", "pet", "problem"])
@@ -486,20 +447,9 @@ def _candidate(f: _Facts, rng: random.Random, cfg: SyntheticConfig) -> str:
         elif flaw == "swap_order":
             i = rng.randrange(2)
             plan.order[i], plan.order[i + 1] = plan.order[i + 1], plan.order[i]
-        elif flaw == "repeat":
-            plan.repeat = rng.randrange(4)
-        elif flaw == "truncate":
-            plan.truncate = rng.uniform(0.45, 0.9)
-        elif flaw == "long":
-            plan.extras += [
-                f"{_pron(f.other)} named it {f.name}.",
-                f"This has been going on for {f.duration}.",
-            ]
-            plan.extras += rng.sample(EXTRAS, k=rng.randint(2, 4))
-            rng.shuffle(plan.extras)
         else:  # pragma: no cover - the tuple above is the whole list
             raise AssertionError(flaw)
-    return _render(plan)
+    return plan
 
 
 def _invent(plan: _Plan, rng: random.Random) -> None:
@@ -525,17 +475,22 @@ def _record_rng(seed: int, index: int) -> random.Random:
 
 
 def generate(cfg: SyntheticConfig | None = None) -> list[Record]:
-    """Preference pairs of the embedded task, deterministic in ``cfg`` (record i depends on seed, i only)."""
+    """Preference pairs of the embedded task, deterministic in ``cfg`` (record i depends on seed, i only).
+
+    A pair is one candidate summary and a copy of it with 1-2 more flaws (same wording otherwise), the
+    higher gold score chosen, the label then flipped with probability ``label_noise``.
+    """
     cfg = cfg or SyntheticConfig()
     records = []
     for i in range(cfg.num_records):
         rng = _record_rng(cfg.seed, i)
         facts = _sample_facts(rng)
         prompt = _post(facts, rng, cfg.filler_prob)
-        a = _candidate(facts, rng, cfg)
+        plan = _add_flaws(_base_plan(facts, rng), rng, cfg.flaw_weights)
+        a = _render(plan)
         score_a = gold_score(prompt, a)
         for _ in range(cfg.max_tie_resamples):
-            b = _candidate(facts, rng, cfg)
+            b = _render(_add_flaws(plan, rng, cfg.extra_flaw_weights))
             score_b = gold_score(prompt, b)
             if abs(score_a - score_b) > 1e-9:
                 break
@@ -612,8 +567,42 @@ def parse_post(prompt: str) -> PostFacts:
     return PostFacts(key=key_facts, items=items, tags=tags)
 
 
-def score_details(prompt: str, response: str) -> dict[str, float]:
-    """Every term of :func:`gold_score` (for tests, debugging and reward-hacking analysis)."""
+_WORD = re.compile(r"[\w']+")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _sentence_words(text: str) -> list[list[str]]:
+    """Words of each sentence of (lower-case) ``text``."""
+    return [w for s in _SENTENCE_END.split(text.strip()) if (w := _WORD.findall(s))]
+
+
+def _copied_share(post: list[list[str]], answer: list[list[str]], n: int = COPY_NGRAM) -> float:
+    """Share of the answer's words inside a run of ``n`` words (within one sentence) found in the post."""
+    post_grams = {tuple(s[i : i + n]) for s in post for i in range(len(s) - n + 1)}
+    inside = total = 0
+    for s in answer:
+        covered = [False] * len(s)
+        for i in range(len(s) - n + 1):
+            if tuple(s[i : i + n]) in post_grams:
+                covered[i : i + n] = [True] * n
+        inside, total = inside + sum(covered), total + len(s)
+    return inside / total if total else 0.0
+
+
+def score_details(prompt: str, response: str, ended: bool | None = None) -> dict[str, float]:
+    """The gold score and its components (module comment above "Gold score").
+
+    ``ended``: whether the generation stopped at an end token (False: it ran into the length limit);
+    None when unknown, e.g. for reference text.  Components, as reported next to the total:
+
+    - ``coverage``: share of the post's key facts stated correctly (a relation with a wrong tag: half);
+    - ``order``: share of concordant pairs among the covered facts (1.0 with fewer than two);
+    - ``invented``: facts (vocabulary items, age tags) the post does not contain;
+    - ``repeated``: extra mentions of a key fact, repeated word 4-grams and repeated sentences;
+    - ``length``: words beyond the budget;
+    - ``unfinished``: 1 if the last sentence is cut (no . ! ?), +1 if the answer has no end token;
+    - ``copied``: share of the answer's words copied from the post in runs of 8+ words of one sentence.
+    """
     post = parse_post(prompt)
     if not post.key:
         raise ValueError(f"prompt has no facts of the embedded task, cannot gold-score it: {prompt[:80]!r}")
@@ -632,49 +621,81 @@ def score_details(prompt: str, response: str) -> dict[str, float]:
             mentions["who"].append((pos, 1.0 if key == want["who"] else 0.5))
         elif slot in want and slot not in ("who", "narrator") and key == want[slot]:
             mentions[slot].append((pos, 1.0))
-    credit, positions, repeats = 0.0, [], 0
+    credit, positions, fact_repeats = 0.0, [], 0
     for rank, (slot, _) in enumerate(post.key):
         if mentions[slot]:
             best = max(c for _, c in mentions[slot])
             credit += best
             positions.append((min(p for p, c in mentions[slot] if c == best), rank))
-            repeats += len(mentions[slot]) - 1
+            fact_repeats += len(mentions[slot]) - 1
     positions.sort()
     ranks = [r for _, r in positions]
     pairs = [(i, j) for i in range(len(ranks)) for j in range(i + 1, len(ranks))]
     concordant = sum(ranks[i] < ranks[j] for i, j in pairs) / len(pairs) if pairs else 1.0
     invented = {(slot, key.split(" (")[0]) for _, slot, key in scanned} - post.items
     invented_tags = {_tag(m) for m in _TAG_PATTERN.finditer(text)} - post.tags
-    words = re.findall(r"[\w']+", text)
+    n_invented = len(invented) + len(invented_tags)
+    words = _WORD.findall(text)
     grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
-    over_budget = max(0, len(response.split()) - LENGTH_BUDGET_WORDS)
-    unfinished = not response.rstrip().endswith((".", "!", "?"))
-    terms = {
-        "coverage": COVERAGE_WEIGHT * credit / len(post.key),
-        "order": ORDER_WEIGHT * concordant * len(positions) / len(post.key),
-        "invented": -INVENTED_PENALTY * (len(invented) + len(invented_tags)),
-        "repeated_facts": -REPEATED_FACT_PENALTY * repeats,
-        "repeated_ngrams": -REPEATED_NGRAM_PENALTY * (len(grams) - len(set(grams))),
-        "length": -OVER_BUDGET_PENALTY * over_budget,
-        "unfinished": -UNFINISHED_PENALTY * unfinished,
+    sentence_words = _sentence_words(text)
+    sentences = [" ".join(s) for s in sentence_words]
+    repeated_sentences = len(sentences) - len(set(sentences))
+    repeated = fact_repeats + (len(grams) - len(set(grams)))
+    over = max(0, len(response.split()) - LENGTH_BUDGET_WORDS)
+    unfinished = int(not response.rstrip().endswith((".", "!", "?"))) + int(ended is False)
+    copied = _copied_share(_sentence_words(prompt.lower()), sentence_words)
+    factor = (
+        INVENTED_FACTOR**n_invented
+        * REPEATED_FACTOR**repeated
+        * REPEATED_SENTENCE_FACTOR**repeated_sentences
+        * math.exp(-over / OVER_LENGTH_SCALE)
+        * UNFINISHED_FACTOR**unfinished
+        * math.exp(-COPY_SCALE * max(0.0, copied - COPY_ALLOWANCE))
+    )
+    covered = credit / len(post.key)
+    if credit > 0:
+        content = COVERAGE_WEIGHT * covered + ORDER_WEIGHT * concordant * len(positions) / len(post.key)
+        total = FLOOR + (1 - FLOOR) * content * factor
+    else:
+        total = FLOOR - (1 + FLOOR) * (1 - factor)
+    return {
+        "coverage": covered,
+        "order": concordant,
+        "invented": float(n_invented),
+        "repeated": float(repeated + repeated_sentences),
+        "length": float(over),
+        "unfinished": float(unfinished),
+        "copied": copied,
+        "factor": factor,
+        "total": total,
     }
-    terms["total"] = sum(terms.values())
-    return terms
 
 
-def gold_score(prompt: str, response: str) -> float:
-    """Gold reward of a response to an embedded-task prompt; 1.0 for a flawless summary, can go negative.
+def gold_score(prompt: str, response: str, ended: bool | None = None) -> float:
+    """Gold reward of a response to an embedded-task prompt: 1.0 for a flawless summary, down to -1.0.
 
-    Text from the end-of-conversation token on is ignored (a policy may keep generating after it).
+    Text from the end-of-conversation token on is ignored (a policy may keep generating after it);
+    ``ended=False`` marks an answer that ran into the length limit without an end token.
     """
-    return score_details(prompt, response)["total"]
+    return score_details(prompt, response, ended)["total"]
 
 
-def gold_scores(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-    """:func:`gold_score` over aligned lists (one response per prompt)."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"gold_scores: {len(prompts)} prompts but {len(responses)} responses")
-    return [gold_score(p, r) for p, r in zip(prompts, responses)]
+def gold_scores(
+    prompts: Sequence[str], responses: Sequence[str], ended: Sequence[bool] | None = None
+) -> list[float]:
+    """:func:`gold_score` over aligned lists (one response per prompt; ``ended`` per response or None)."""
+    return [d["total"] for d in gold_score_details(prompts, responses, ended)]
+
+
+def gold_score_details(
+    prompts: Sequence[str], responses: Sequence[str], ended: Sequence[bool] | None = None
+) -> list[dict[str, float]]:
+    """:func:`score_details` over aligned lists."""
+    if len(prompts) != len(responses) or (ended is not None and len(ended) != len(responses)):
+        n_ended = "" if ended is None else f" and {len(ended)} end flags"
+        raise ValueError(f"gold_scores: {len(prompts)} prompts but {len(responses)} responses{n_ended}")
+    flags = [None] * len(responses) if ended is None else [bool(e) for e in ended]
+    return [score_details(p, r, e) for p, r, e in zip(prompts, responses, flags)]
 
 
 def oracle_summary(prompt: str) -> str:

@@ -12,12 +12,27 @@ from marlhf.errors import ConfigError
 log = logging.getLogger("marlhf")
 
 
-def gold_scorer_for(data_path: list[str]):
-    """The embedded task's gold scorer ``(prompts, answers) -> scores`` when every dataset is synthetic."""
-    if data_path and all(spec.split(":", 1)[0] == "synthetic" for spec in data_path):
-        from marlhf.data.synthetic import gold_scores
+class GoldScorer:
+    """The embedded task's gold scorer: ``(prompts, answers, ended) -> scores``; ``ended`` says which answers
+    stopped at an end token.  ``details`` returns every component as well (printed next to the total)."""
 
-        return gold_scores
+    def __init__(self):
+        from marlhf.data import synthetic
+
+        self._synthetic = synthetic
+        self.components = synthetic.GOLD_COMPONENTS
+
+    def __call__(self, prompts, answers, ended=None) -> list[float]:
+        return self._synthetic.gold_scores(prompts, answers, ended)
+
+    def details(self, prompts, answers, ended=None) -> list[dict[str, float]]:
+        return self._synthetic.gold_score_details(prompts, answers, ended)
+
+
+def gold_scorer_for(data_path: list[str]):
+    """The embedded task's :class:`GoldScorer` when every dataset is synthetic, else None."""
+    if data_path and all(spec.split(":", 1)[0] == "synthetic" for spec in data_path):
+        return GoldScorer()
     return None
 
 

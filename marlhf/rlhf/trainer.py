@@ -203,8 +203,8 @@ class MAPPOTrainer:
         ref_logprobs = answer_logprobs(_forward_logits(self.rlhf.ref, seq, attn), seq, P)
         values = token_values(self.rlhf.critic, seq, attn)[:, P - 1:-1]
         if self.scorer is not None:
-            scores = torch.tensor(self.scorer(self._decode(prompt_ids, prompt_mask), self._decode(answer, mask)),
-                                  dtype=torch.float32, device=seq.device)
+            scores = torch.tensor(self.scorer(self._decode(prompt_ids, prompt_mask), self._decode(answer, mask),
+                                              ended.tolist()), dtype=torch.float32, device=seq.device)
         else:
             scores = sequence_scores(self.rlhf.reward, seq, attn)
 
@@ -371,38 +371,46 @@ class MAPPOTrainer:
 
 @torch.no_grad()
 def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_scorer=None, seed: int = 0) -> dict:
-    """Mean reward-model score (and gold score when the task has one) of the actor's answers to held-out
-    prompts, sampled with the training settings under a fixed seed that leaves the training RNG untouched."""
+    """Mean reward-model score, answer length and EOS rate (and the gold score with its components when the
+    task has one) of the actor's answers to held-out prompts, sampled with the training settings under a
+    fixed seed that leaves the training RNG untouched."""
     stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
     pad = tokenizer.pad_token_id
     loader = make_loader(prompts, args.per_device_generation_batch_size,
                          ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
     dev = dist.device()
-    totals = torch.zeros(4, dtype=torch.float64)  # rm sum, gold sum, length sum, count
+    # output key -> the gold scorer's field: the total, then the components of a scorer that has them
+    gold_fields = {"gold_score": "total"} | {f"gold_{k}": k for k in getattr(gold_scorer, "components", ())}
+    keys = ("rm_score", "response_len", "eos_rate") + (tuple(gold_fields) if gold_scorer is not None else ())
+    totals = torch.zeros(len(keys) + 1, dtype=torch.float64)  # sums of `keys`, then the count
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + dist.rank())
         for batch in loader:
             p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
             seq = generate(actor, p_ids, p_mask, args, stop_ids, pad)
             P = p_ids.shape[1]
-            mask, _ = answer_mask(seq[:, P:], stop_ids)
+            mask, ended = answer_mask(seq[:, P:], stop_ids)
             attn = torch.cat([p_mask, mask.long()], dim=1)
             seq = torch.where(attn.bool(), seq, torch.full_like(seq, pad))
             rm = sequence_scores(reward, seq, attn)
-            gold = 0.0
+            sums = [rm.sum().item(), mask.sum().item(), ended.sum().item()]
             if gold_scorer is not None:
                 dec = lambda ids, m: [tokenizer.decode(i[k.bool()].tolist(), skip_special_tokens=True)
                                       for i, k in zip(ids.cpu(), m.cpu())]
-                gold = sum(gold_scorer(dec(p_ids, p_mask), dec(seq[:, P:], mask)))
-            totals += torch.tensor([rm.sum().item(), gold, mask.sum().item(), len(rm)], dtype=torch.float64)
+                texts = (dec(p_ids, p_mask), dec(seq[:, P:], mask), ended.tolist())
+                if len(gold_fields) > 1:  # a scorer that explains itself: the components next to the total
+                    rows = gold_scorer.details(*texts)
+                    sums += [sum(r[field] for r in rows) for field in gold_fields.values()]
+                else:
+                    sums.append(sum(gold_scorer(*texts)))
+            totals += torch.tensor(sums + [len(rm)], dtype=torch.float64)
     if dist.world_size() > 1:
         import torch.distributed as tdist
 
         t = totals.to(dev)
         tdist.all_reduce(t)
         totals = t.cpu()
-    n = totals[3].clamp(min=1).item()
-    out = {"rm_score": totals[0].item() / n, "response_len": totals[2].item() / n, "num_prompts": n}
-    if gold_scorer is not None:
-        out["gold_score"] = totals[1].item() / n
+    n = totals[-1].clamp(min=1).item()
+    out = {k: totals[i].item() / n for i, k in enumerate(keys)}
+    out["num_prompts"] = n
     return out

@@ -24,10 +24,12 @@ OUTPUT=${1:-./output/tiny/step1}
 ZERO_STAGE=${2:-0}
 MODEL_PATH=${MODEL_PATH:-}
 
-# Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64), one epoch over
-# the SFT share (2 of 2,4,4) of the synthetic records, evaluation on 128 of them.
+# Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64), 12 epochs (600
+# steps, ~3.5 min) over the SFT share (2 of 2,4,4) of the synthetic records, evaluation on 128 of them.
+# Copying the post's facts (age tags digit by digit) needs the steps: measured on 64 held-out prompts,
+# 400 steps give gold 0.23 (35% of narrator tags right), 600 steps gold 0.65, every answer ending with EOS.
 GLOBAL_BATCH=16
-EPOCHS=1
+EPOCHS=12
 LR=1e-3
 MAX_EVAL_SAMPLES=128
 

@@ -25,12 +25,13 @@ OUTPUT=${1:-./output/tiny/step2}
 ZERO_STAGE=${2:-0}
 MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded model
 
-# Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64), one epoch over
-# the reward-model share (4 of 2,4,4) of the synthetic pairs, evaluation on 128 of them.
+# Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64), two epochs (200
+# steps, ~2 min) over the reward-model share (4 of 2,4,4) of the synthetic pairs, evaluation on 256 of
+# them (label noise 0.1 caps the accuracy near 0.9).
 GLOBAL_BATCH=16
-EPOCHS=1
+EPOCHS=2
 LR=5e-4
-MAX_EVAL_SAMPLES=128
+MAX_EVAL_SAMPLES=256
 
 # Global batch = per-device batch x gradient accumulation x ranks: 16 = 8 x 2 x 1.
 NUM_GPUS=${NUM_GPUS:-1}
