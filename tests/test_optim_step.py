@@ -156,7 +156,7 @@ def test_token_mean_needs_whole_windows_per_update(nano, tmp_path):
 
 def _nan_scores(trainer, ids, mask, step):
     """make_experience with a scorer that gives answer 0 a NaN reward (the gold-scorer path of the trainer)."""
-    def scorer(prompt_texts, answers):
+    def scorer(prompt_texts, answers, ended=None):
         return [float("nan")] + [0.5] * (len(answers) - 1)
 
     trainer.scorer = scorer
