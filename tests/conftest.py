@@ -65,3 +65,22 @@ def deepspeed_cmd(num_gpus: int, port: int) -> list[str]:
     launcher = shutil.which("deepspeed")
     assert launcher, "the deepspeed launcher is not on PATH (pip install deepspeed)"
     return [launcher, "--num_gpus", str(num_gpus), "--master_port", str(port)]
+
+
+def save_seeded_reward_model(out: Path) -> Path:
+    """The nano embedded model as a value model with a seeded N(0, 1) score head (scores of order 1), saved
+    in ``out`` as a step-2 output folder would be: a reward model for the scoring tools' tests."""
+    import torch
+
+    from marlhf import embedded
+    from marlhf.models.loading import load_tokenizer, load_value_model
+
+    nano = str(embedded.prepare(size="nano").model_dir)
+    tok = load_tokenizer(nano, "<|endoftext|>")
+    model = load_value_model(nano, tok)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, load_main
+from conftest import REPO, load_main, save_seeded_reward_model
 
 from marlhf.data.records import DataError
 from marlhf.data.synthetic import SyntheticConfig, generate, gold_score
@@ -32,17 +32,7 @@ def test_summarize_matches_hand_computation():
 def reward_model(tmp_path_factory):
     """A freshly created value model on the nano embedded model, with a seeded score head of scale 1, saved
     as a step-2 output is (with its run's args.json naming the synthetic data, so gold scoring applies)."""
-    from marlhf import embedded
-
-    nano = str(embedded.prepare(size="nano").model_dir)
-    tok = load_tokenizer(nano, EOT)
-    model = load_value_model(nano, tok)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g))
-    out = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    out = save_seeded_reward_model(tmp_path_factory.mktemp("rm"))
     (out / "args.json").write_text(json.dumps({"data_path": ["synthetic:num_records=10"]}))
     return out
 

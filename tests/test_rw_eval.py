@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, load_main
+from conftest import REPO, load_main, save_seeded_reward_model
 
 from marlhf.data.records import DataError
 from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
@@ -23,17 +23,7 @@ LONG = " My cat hides under the bed all day and we do not know how to help her."
 def reward_model(tmp_path_factory):
     """The nano model as a value model with a seeded, larger score head (scores of order 1, so the CLI's
     4-decimal output distinguishes them), saved as a step-2 output folder would be."""
-    from marlhf import embedded
-
-    nano = str(embedded.prepare(size="nano").model_dir)
-    tok = load_tokenizer(nano, EOT)
-    model = load_value_model(nano, tok)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g))
-    out = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    out = save_seeded_reward_model(tmp_path_factory.mktemp("rm"))
     return out
 
 
