@@ -135,18 +135,6 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     return RLHFEngine(actor, ref, critic, reward, ema)
 
 
-def _gathered(module, zero_stage: int):
-    """Context that materialises every ZeRO-3 partitioned parameter of ``module`` (no-op otherwise)."""
-    import contextlib
-
-    import deepspeed
-
-    if zero_stage != 3:
-        return contextlib.nullcontext()
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
 @torch.no_grad()
 def update_ema(actor, ema, decay: float, zero_stage: int) -> None:
     """ema ← decay · ema + (1 − decay) · actor, parameter by parameter (gathered under ZeRO-3)."""

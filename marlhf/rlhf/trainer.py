@@ -20,10 +20,11 @@ import torch
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
+from marlhf.generation import GenerationConfig, decode, sample
 from marlhf.models.loading import position_ids_from_mask, sequence_scores, stop_token_ids, token_values
 from marlhf.rlhf import macro
 from marlhf.rlhf.ppo_math import compute_advantages, policy_loss, token_rewards, value_loss
-from marlhf.rlhf.rlhf_engine import RLHFEngine, _gathered, update_ema
+from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.optim_step import StepGuard, loss_multipliers
 from marlhf.utils.tracking import Tracker
@@ -58,16 +59,6 @@ class Experience:
         return out
 
 
-def answer_mask(answer: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real tokens of each generated answer (up to and including the first stop token) and whether it
-    stopped.  (B, A) bool, (B,) bool."""
-    is_stop = torch.isin(answer, torch.tensor(stop_ids, device=answer.device))  # (B, A)
-    ended = is_stop.any(dim=1)  # (B,)
-    first = torch.where(ended, is_stop.float().argmax(dim=1), torch.full_like(ended, answer.shape[1], dtype=torch.long))
-    k = torch.arange(answer.shape[1], device=answer.device)
-    return k[None, :] <= first[:, None], ended
-
-
 def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
     """log π(a_t | s_t) of the answer tokens from full-sequence logits (B, P+A, V) → (B, A)."""
     logits = logits[:, P - 1:-1].float()  # position t predicts token t+1
@@ -78,29 +69,6 @@ def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Te
 def _forward_logits(model, seq, attention_mask):
     return model(input_ids=seq, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                  use_cache=False).logits
-
-
-@torch.no_grad()
-def generate(actor, prompt_ids, prompt_mask, args, stop_ids, pad_id) -> torch.Tensor:
-    """Sample answers (temperature / top-k / top-p).
-
-    With the hybrid engine the DeepSpeed engine generates with its inference kernels.  Otherwise the module
-    generates; under ZeRO-3 its parameters are either gathered once for the whole call (``gather``: fast,
-    needs the full model in memory) or fetched layer by layer at every token with the ranks kept in step
-    (``synced``: DeepSpeed-Chat's memory-safe path for models that do not fit whole)."""
-    actor.eval()
-    hybrid = getattr(args, "enable_hybrid_engine", False)
-    module = actor if hybrid else actor.module
-    zero3 = args.actor_zero_stage == 3 and not hybrid
-    gather = zero3 and args.zero3_generation == "gather"
-    with _gathered(actor.module, 3 if gather else 0):
-        seq = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
-                              temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                              max_new_tokens=args.max_answer_seq_len, eos_token_id=stop_ids,
-                              pad_token_id=pad_id, use_cache=True,
-                              synced_gpus=zero3 and not gather and dist.world_size() > 1)
-    actor.train()
-    return seq
 
 
 def stream_seed(*parts: int) -> int:
@@ -175,6 +143,7 @@ class MAPPOTrainer:
         self.args, self.rlhf, self.tokenizer = args, rlhf, tokenizer
         self.stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
         self.pad_id = tokenizer.pad_token_id
+        self.gen_cfg = GenerationConfig.from_args(args, self.stop_ids, self.pad_id)
         self.segmenter = MacroSegmenter(args, tokenizer)
         self.scorer = scorer  # optional (prompts, answers) -> scores, replaces the reward model
         self.guard = StepGuard(args.max_skipped_steps)  # drops non-finite updates, stops after too many
@@ -185,19 +154,13 @@ class MAPPOTrainer:
         """Generate, score and segment answers to one prompt batch (``batch``: its index in the step)."""
         a = self.args
         t0 = time.time()
-        seq = generate(self.rlhf.actor, prompt_ids, prompt_mask, a, self.stop_ids, self.pad_id)
+        out = sample(self.rlhf.actor, prompt_ids, prompt_mask, self.gen_cfg, zero3_generation=a.zero3_generation)
         gen_time = time.time() - t0
-        P = prompt_ids.shape[1]
-        answer = seq[:, P:]
-        if answer.shape[1] == 0:  # nothing generated at all: keep one padding column so shapes stay valid
-            answer = torch.full((seq.shape[0], 1), self.pad_id, dtype=seq.dtype, device=seq.device)
-            seq = torch.cat([seq, answer], dim=1)
-        mask, ended = answer_mask(answer, self.stop_ids)
+        P, seq, attn, mask, ended = out.prompt_width, out.seq, out.attention_mask, out.answer_mask, out.ended
+        answer = out.answers
         length = mask.sum(dim=1)
         content = length - ended.long()  # tokens before the stop token
         valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
-        attn = torch.cat([prompt_mask, mask.long()], dim=1)
-        seq = torch.where(attn.bool(), seq, torch.full_like(seq, self.pad_id))  # clean tail after stop
 
         logprobs = answer_logprobs(_forward_logits(self.rlhf.actor, seq, attn), seq, P)
         ref_logprobs = answer_logprobs(_forward_logits(self.rlhf.ref, seq, attn), seq, P)
@@ -232,8 +195,7 @@ class MAPPOTrainer:
         return exp, stats
 
     def _decode(self, ids, mask) -> list[str]:
-        return [self.tokenizer.decode(i[m.bool()].tolist(), skip_special_tokens=True)
-                for i, m in zip(ids.cpu(), mask.cpu())]
+        return decode(self.tokenizer, ids, mask)
 
     # -- 4. PPO update --------------------------------------------------------------------------------------
     def ppo_update(self, exps: list[Experience], ptx_batches=None) -> dict:
@@ -376,6 +338,7 @@ def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_sc
     fixed seed that leaves the training RNG untouched."""
     stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
     pad = tokenizer.pad_token_id
+    gen_cfg = GenerationConfig.from_args(args, stop_ids, pad)
     loader = make_loader(prompts, args.per_device_generation_batch_size,
                          ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
     dev = dist.device()
@@ -387,17 +350,12 @@ def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_sc
         torch.manual_seed(seed + dist.rank())
         for batch in loader:
             p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
-            seq = generate(actor, p_ids, p_mask, args, stop_ids, pad)
-            P = p_ids.shape[1]
-            mask, ended = answer_mask(seq[:, P:], stop_ids)
-            attn = torch.cat([p_mask, mask.long()], dim=1)
-            seq = torch.where(attn.bool(), seq, torch.full_like(seq, pad))
+            out = sample(actor, p_ids, p_mask, gen_cfg, zero3_generation=args.zero3_generation)
+            P, seq, attn, mask, ended = out.prompt_width, out.seq, out.attention_mask, out.answer_mask, out.ended
             rm = sequence_scores(reward, seq, attn)
             sums = [rm.sum().item(), mask.sum().item(), ended.sum().item()]
             if gold_scorer is not None:
-                dec = lambda ids, m: [tokenizer.decode(i[k.bool()].tolist(), skip_special_tokens=True)
-                                      for i, k in zip(ids.cpu(), m.cpu())]
-                texts = (dec(p_ids, p_mask), dec(seq[:, P:], mask), ended.tolist())
+                texts = (decode(tokenizer, p_ids, p_mask), decode(tokenizer, seq[:, P:], mask), ended.tolist())
                 if len(gold_fields) > 1:  # a scorer that explains itself: the components next to the total
                     rows = gold_scorer.details(*texts)
                     sums += [sum(r[field] for r in rows) for field in gold_fields.values()]
