@@ -68,6 +68,9 @@ class BaseArgs:
     warmup_ratio: float = opt(0.0, "Warmup as a fraction of total steps.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.")
     seed: int = opt(1234, "Seed for data split, sampling order, initialisation and generation.")
+    data_seed: int = opt(-1, "Seed of the phase split and held-out slice only (-1 = --seed).  Keep it fixed across "
+                         "the three steps and vary --seed to repeat a step with other randomness: a step-3 "
+                         "--seed alone would also reshuffle which records are prompts, overlapping step 1's.")
     # --- DeepSpeed / precision ----------------------------------------------------------------------------
     local_rank: int = opt(-1, "Set by the deepspeed launcher.")
     zero_stage: int = opt(0, "ZeRO stage 0-3.", choices=(0, 1, 2, 3))
@@ -84,7 +87,7 @@ class BaseArgs:
     # --- output / logging ---------------------------------------------------------------------------------
     output_dir: str = opt("./output", "Where the final Hugging Face model, logs and checkpoints go.")
     print_loss: bool = opt(False, "Print the loss of every step on rank 0.")
-    eval_interval: int = opt(0, "Evaluate every N optimizer steps (0 = only at epoch ends).")
+    eval_interval: int = opt(0, "Evaluate every N optimizer steps (0 = only at epoch ends; step 3: before and after).")
     save_steps: int = opt(0, "Save a DeepSpeed checkpoint every N optimizer steps (0 = only at the end).")
     keep_checkpoints: int = opt(2, "How many step checkpoints to keep.")
     resume: bool = opt(False, "Continue from the latest checkpoint in --output_dir/checkpoints.")
@@ -99,6 +102,11 @@ class BaseArgs:
     max_skipped_steps: int = opt(10, "Optimizer updates with a non-finite loss or gradient are dropped on every rank; "
                                  "stop after this many consecutive training steps with a dropped update (0 = never).")
     debug: bool = opt(False, "Show Python tracebacks for user errors (bad data, flags, paths) too.")
+
+    @property
+    def split_seed(self) -> int:
+        """The seed of the phase split and the held-out slice (``--data_seed``, else ``--seed``)."""
+        return self.seed if self.data_seed < 0 else self.data_seed
 
     def validate(self) -> None:
         """Check cross-field constraints once, so the training code can trust its config."""

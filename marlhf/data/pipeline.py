@@ -194,7 +194,7 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
     and read it."""
     max_seq_len = getattr(args, "max_seq_len", 0)
     max_prompt = getattr(args, "max_prompt_seq_len", max_seq_len)
-    key = cache_key(specs=args.data_path, split=args.data_split, phase=phase, seed=args.seed,
+    key = cache_key(specs=args.data_path, split=args.data_split, phase=phase, seed=args.split_seed,
                     eval_fraction=args.eval_fraction, max_eval=args.max_eval_samples,
                     tokenizer=[type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer),
                                tokenizer.padding_side], eot=args.end_of_conversation_token,
@@ -205,7 +205,7 @@ def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
     with dist.work_for_all():  # the others wait; a bad row stops every rank with one message
         if dist.is_local_main() and not path.exists():
             policy = BadRowPolicy(args.bad_rows)
-            train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.seed,
+            train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.split_seed,
                                                   args.eval_fraction, policy)
             long_prompts = LongPromptPolicy(args.long_prompts)
             kw = dict(eot=args.end_of_conversation_token, max_seq_len=max_seq_len, max_prompt_len=max_prompt,

@@ -247,7 +247,9 @@ class MAPPOTrainer:
         return {k: v / max(len(plan), 1) for k, v in totals.items()}
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def train(self, prompts: list[dict], ptx_items: list[dict] | None = None) -> int:
+    def train(self, prompts: list[dict], ptx_items: list[dict] | None = None, evaluate=None) -> int:
+        """MA-PPO over ``prompts``; ``evaluate()`` (held-out metrics) is logged as ``eval/*`` every
+        ``--eval_interval`` steps (the final evaluation is the caller's)."""
         a = self.args
         bs = a.per_device_generation_batch_size
         sampler = ResumableSampler(len(prompts), a.seed)
@@ -290,6 +292,8 @@ class MAPPOTrainer:
                 stats.update(train_stats, train_seconds=time.time() - t0, epoch=epoch,
                              actor_lr=self.rlhf.actor.get_lr()[0])
                 tracker.log(step, stats, prefix="train/")
+                if evaluate is not None and a.eval_interval and step % a.eval_interval == 0 and step < total:
+                    tracker.log(step, evaluate(), prefix="eval/", echo=True)
                 bar.update(1)
                 bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
                 if a.print_answers and step % a.print_answers_interval == 0:
@@ -332,10 +336,12 @@ class MAPPOTrainer:
 
 
 @torch.no_grad()
-def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_scorer=None, seed: int = 0) -> dict:
+def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_scorer=None, seed: int = 0,
+                    ref=None) -> dict:
     """Mean reward-model score, answer length and EOS rate (and the gold score with its components when the
-    task has one) of the actor's answers to held-out prompts, sampled with the training settings under a
-    fixed seed that leaves the training RNG untouched."""
+    task has one; the KL to ``ref`` — Σ_t log π(a_t|s_t) − log π_ref(a_t|s_t) per answer — when given) of the
+    actor's answers to held-out prompts, sampled with the training settings under a fixed seed that leaves
+    the training RNG untouched."""
     stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
     pad = tokenizer.pad_token_id
     gen_cfg = GenerationConfig.from_args(args, stop_ids, pad)
@@ -344,7 +350,8 @@ def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_sc
     dev = dist.device()
     # output key -> the gold scorer's field: the total, then the components of a scorer that has them
     gold_fields = {"gold_score": "total"} | {f"gold_{k}": k for k in getattr(gold_scorer, "components", ())}
-    keys = ("rm_score", "response_len", "eos_rate") + (tuple(gold_fields) if gold_scorer is not None else ())
+    keys = ("rm_score", "response_len", "eos_rate") + (tuple(gold_fields) if gold_scorer is not None else ()) \
+        + (("kl",) if ref is not None else ())
     totals = torch.zeros(len(keys) + 1, dtype=torch.float64)  # sums of `keys`, then the count
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + dist.rank())
@@ -361,6 +368,10 @@ def evaluate_policy(actor, reward, tokenizer, prompts: list[dict], args, gold_sc
                     sums += [sum(r[field] for r in rows) for field in gold_fields.values()]
                 else:
                     sums.append(sum(gold_scorer(*texts)))
+            if ref is not None:
+                lp = answer_logprobs(_forward_logits(actor, seq, attn), seq, P)
+                lp_ref = answer_logprobs(_forward_logits(ref, seq, attn), seq, P)
+                sums.append(torch.where(mask, lp - lp_ref, 0.0).sum().item())
             totals += torch.tensor(sums + [len(rm)], dtype=torch.float64)
     if dist.world_size() > 1:
         import torch.distributed as tdist

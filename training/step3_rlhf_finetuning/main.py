@@ -44,16 +44,20 @@ def main(argv=None):
     trainer = MAPPOTrainer(args, rlhf, tokenizer, scorer=gold if args.reward_source == "gold" else None)
     if args.reward_source == "gold" and gold is None:
         raise ConfigError("--reward_source gold needs a task with a gold scorer (the synthetic task)")
-    # 3. the initial (SFT) policy on held-out prompts, then MA-PPO, then the final policy
+    # 3. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps),
+    #    then the final policy
+    def evaluate():
+        return evaluate_policy(rlhf.actor, rlhf.reward, tokenizer, data.eval, args, gold, ref=rlhf.ref)
+
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too
     if initial.exists() and args.resume:
         before = json.loads(initial.read_text())
     else:
-        before = evaluate_policy(rlhf.actor, rlhf.reward, tokenizer, data.eval, args, gold)
+        before = evaluate()
         if dist.is_main():
             initial.write_text(json.dumps(before))
-    steps = trainer.train(data.train, ptx_items(args, tokenizer))
-    after = evaluate_policy(rlhf.actor, rlhf.reward, tokenizer, data.eval, args, gold)
+    steps = trainer.train(data.train, ptx_items(args, tokenizer), evaluate=evaluate)
+    after = evaluate()
     # 4. export actor / critic / EMA as Hugging Face folders and write the summary
     out = Path(args.output_dir)
     export_hf(rlhf.actor, tokenizer, out / "actor", args.actor_zero_stage, conversation=fmt)

@@ -1,0 +1,195 @@
+"""``docs/results.md`` from the sweep's recorded runs: tables, curves, the commands, versions, machine, seeds,
+and a plain statement of which of the paper's claims held at this scale.
+
+Every number in the report comes from :mod:`marlhf.eval.sweep` reading the runs' own files, and the same
+numbers are written next to it as ``results.json`` (the test compares both with the run logs)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+from marlhf.eval.sweep import BASELINE, REWARDS, VARIANTS, VariantResult, steps_to_parity
+
+TABLE_KEYS = ("gold_score", "rm_score", "kl", "train_kl", "response_len", "eos_rate")
+PLOT_KEYS = (("gold_score", "held-out gold score"), ("rm_score", "held-out RM score"),
+             ("kl", "held-out KL"), ("train_kl", "KL to reference (training batches)"),
+             ("response_len", "answer length (tokens)"))
+FASTER = 1 / 1.7  # the paper's "1.7–2x faster": parity at <= 59% of PPO's steps
+
+
+def machine() -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+            "os": platform.platform()}
+
+
+def _final(r: VariantResult, key: str) -> tuple[float, float] | None:
+    if key == "train_kl":  # the training-batch KL of the last step
+        curve = r.curves.get("train_kl")
+        return (sum(v := curve[max(curve)]) / len(v), float("nan")) if curve else None
+    return r.final(key) if key in r.finals else None
+
+
+def summary_table(results: dict[str, VariantResult], reward: str) -> list[dict]:
+    """One row per variant: the final value (mean over seeds, 95% CI half-width) of every table key and the
+    steps-to-parity on the optimised score (and on gold for the reward-model setting)."""
+    base = results.get(BASELINE)
+    optimised = REWARDS[reward][1]
+    rows = []
+    for name in [v for v in VARIANTS if v in results]:
+        r = results[name]
+        row = {"variant": name, "label": VARIANTS[name].label, "seeds": r.seeds, "steps": r.steps}
+        for key in TABLE_KEYS:
+            value = _final(r, key)
+            if value is not None:
+                row[key] = {"mean": value[0], "ci95": value[1], "per_seed": r.finals.get(key)}
+        for key in dict.fromkeys((optimised, "gold_score")):
+            if base is not None and key in r.finals and key in base.finals:
+                row[f"parity_{key}"] = steps_to_parity(r, base, key)
+        rows.append(row)
+    return rows
+
+
+def _fmt(cell: dict | None) -> str:
+    if cell is None:
+        return "–"
+    if math.isnan(cell["ci95"]):
+        return f"{cell['mean']:.3f}"
+    return f"{cell['mean']:.3f} ± {cell['ci95']:.3f}"
+
+
+def _parity(v) -> str:
+    return "never" if v is None else f"{v:.2f}"
+
+
+def plot_curves(results: dict[str, VariantResult], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [(k, label) for k, label in PLOT_KEYS if any(k in r.curves and r.curves[k] for r in results.values())]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, (key, label) in zip(axes[0], keys):
+        for name in [v for v in VARIANTS if v in results]:
+            curve = results[name].curves.get(key)
+            if not curve:
+                continue
+            steps = sorted(curve)
+            mean = [sum(curve[s]) / len(curve[s]) for s in steps]
+            line, = ax.plot(steps, mean, marker="o", ms=3, label=VARIANTS[name].label,
+                            lw=2.2 if name == BASELINE else 1.3)
+            if len(next(iter(curve.values()))) > 1:  # seed spread: min–max band
+                ax.fill_between(steps, [min(curve[s]) for s in steps], [max(curve[s]) for s in steps],
+                                color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("PPO step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def claims(tables: dict[str, list[dict]]) -> list[str]:
+    """The paper's claims, each stated as reproduced / not reproduced / not measured from the tables."""
+    out = []
+    for reward, rows in tables.items():
+        by = {r["variant"]: r for r in rows}
+        key = REWARDS[reward][1]
+        base = by.get(BASELINE)
+        ma = [r for r in rows if r["variant"] != BASELINE and r["variant"] in VARIANTS
+              and r["variant"].startswith(("n", "randomized", "ppl", "parsing", "word"))]
+        if base is None or not ma:
+            out.append(f"- **{reward} reward**: not measured (needs PPO and at least one MA-PPO variant).")
+            continue
+        for r in ma:
+            p = r.get(f"parity_{key}")
+            speed = ("not reached within the budget" if p is None else
+                     f"reached PPO's final {key} at {p:.2f} of PPO's steps")
+            verdict = ("faster as claimed (≥ 1.7×)" if p is not None and p <= FASTER else
+                       "faster, but less than the claimed 1.7×" if p is not None and p < 1 else "not faster")
+            b, m = base.get(key), r.get(key)
+            if b and m:
+                half = lambda c: 0.0 if math.isnan(c["ci95"]) else c["ci95"]  # noqa: E731
+                if m["mean"] - half(m) > b["mean"] + half(b):
+                    end = "ends higher (CIs apart)"
+                else:
+                    end = "ends higher, within the CIs" if m["mean"] > b["mean"] else "does not end higher"
+            else:
+                end = "final not measured"
+            out.append(f"- **{reward} reward, {r['label']}**: {speed} — {verdict}; {end} "
+                       f"({_fmt(m)} vs PPO {_fmt(b)}).")
+    return out
+
+
+def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, settings: dict, commands: list[str],
+                 missing: list[str], unavailable: dict, invocation: str) -> Path:
+    path = Path(path)
+    fig_dir = path.parent / "results"
+    tables = {reward: summary_table(res, reward) for reward, res in results.items()}
+    (path.parent).mkdir(parents=True, exist_ok=True)
+    (fig_dir).mkdir(parents=True, exist_ok=True)
+    (fig_dir / "results.json").write_text(json.dumps({"settings": settings, "tables": tables}, indent=1))
+    m = machine()
+    lines = ["# Reproduction results", "",
+             f"Generated by `{invocation}` on {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC from the "
+             "recorded runs; every number below is read from the runs' own `summary.json` / `metrics.jsonl` "
+             "(also in [results/results.json](results/results.json)).", "",
+             "## Setup", "",
+             f"- Machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu']}; {m['os']}",
+             f"- Versions: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']}, "
+             f"transformers {m['transformers']}",
+             f"- Seeds: {settings['seeds']} (data split fixed by `--data_seed 1234`); "
+             f"{settings['steps']} PPO steps per run; held-out evaluation every {settings['eval_interval']} steps on "
+             f"{settings['eval_samples']} prompts.",
+             "- Values are means over seeds ± the half-width of the 95% Student-t interval. Steps-to-parity: "
+             "the first evaluated step at which the variant's seed-mean reaches PPO's final seed-mean, as a "
+             "fraction of PPO's steps (< 1: faster than PPO; 0: already at step 0). KL: Σ_t log π − log π_ref "
+             "per held-out answer (the last training batch's where no held-out KL was logged).", ""]
+    for reward, rows in tables.items():
+        key = REWARDS[reward][1]
+        title = {"gold": "Gold scorer as the reward", "rm": "Reward model as the reward"}[reward]
+        fig = plot_curves(results[reward], fig_dir / f"curves_{reward}.png", title)
+        lines += [f"## {title}", "", f"![curves]({fig.relative_to(path.parent).as_posix()})", "",
+                  "| variant | seeds | gold | RM | KL | length | EOS | parity (" + key + ")"
+                  + (" | parity (gold)" if key != "gold_score" else "") + " |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if key != "gold_score" else "")]
+        for r in rows:
+            cells = [r["label"], str(len(r["seeds"])), _fmt(r.get("gold_score")), _fmt(r.get("rm_score")),
+                     _fmt(r.get("kl") or r.get("train_kl")), _fmt(r.get("response_len")), _fmt(r.get("eos_rate")),
+                     _parity(r.get(f"parity_{key}"))]
+            if key != "gold_score":
+                cells.append(_parity(r.get("parity_gold_score")))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## The paper's claims at this scale", ""] + (claims(tables) or ["- No finished runs."]) + [""]
+    if missing or unavailable:
+        lines += ["## Not in this report", ""]
+        lines += [f"- {v}: not run — this build's step 3 has no {', '.join(n)} flag" for v, n in unavailable.items()]
+        lines += [f"- {run}: not finished (rerun the command to continue it)" for run in missing]
+        lines.append("")
+    lines += ["## Commands", "", "```bash", *commands, "```", ""]
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,188 @@
+"""The reproduction sweep: which step-3 variants run, where their results live, and what they add up to.
+
+A *run* is one step-3 training of one variant (PPO, MA-PPO with a rule, a critic-free estimator) under one
+reward setting (the embedded task's gold scorer as the reward, or the reward model) and one seed, all
+from the same SFT model and reward model.  Its folder holds what step 3 writes anyway —
+``initial_policy.json`` (held-out evaluation at step 0), ``metrics.jsonl`` (``eval/*`` rows every
+``--eval_interval`` steps, ``train/*`` rows every step) and ``summary.json`` (the final evaluation) — so a
+run is *done* when ``summary.json`` exists, and an unfinished one resumes from its checkpoints.
+
+This module only reads those files and computes: curves with their seed spread, final scores with 95%
+confidence intervals over seeds, and steps-to-parity (the first evaluated step at which a variant's
+seed-mean reaches vanilla PPO's final seed-mean, as a fraction of PPO's steps — the paper's "1.7–2×
+faster", §4.2).  ``scripts/reproduce.py`` runs the sweep; ``marlhf/eval/results_report.py`` writes the report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+BASELINE = "ppo"
+
+# the held-out quantities a curve/table shows, in order; the gold components follow where the task has them
+CURVE_KEYS = ("gold_score", "rm_score", "kl", "response_len", "eos_rate")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One step-3 configuration: a name for folders and tables, a label for humans, its flags."""
+
+    name: str
+    label: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...] = ()  # RLHFArgs fields the flags need (a build without them cannot run it)
+
+    def available(self, known_fields: set[str]) -> bool:
+        return all(f in known_fields for f in self.needs)
+
+
+def _fixed(n: str, *extra: str) -> tuple[str, ...]:
+    return ("--termination_condition", "fixed", "--ngram", n, *extra)
+
+
+# paper §4.2–4.5 and App. C.3 / D.1: n ∈ {3,5,10,∞}, the four rules, σ for n = 5, the ratio, baselines
+VARIANTS: dict[str, Variant] = {v.name: v for v in [
+    Variant("ppo", "PPO (n = 1)", _fixed("1")),
+    Variant("n3", "MA-PPO n = 3", _fixed("3")),
+    Variant("n5", "MA-PPO n = 5", _fixed("5")),
+    Variant("n10", "MA-PPO n = 10", _fixed("10")),
+    Variant("ninf", "MA-PPO n = ∞", _fixed("inf")),
+    Variant("randomized", "MA-PPO randomized", ("--termination_condition", "randomized")),
+    Variant("ppl", "MA-PPO ppl", ("--termination_condition", "ppl")),
+    Variant("parsing", "MA-PPO parsing", ("--termination_condition", "parsing")),
+    Variant("word", "MA-PPO word", ("--termination_condition", "word")),
+    Variant("n5_sigma_unit", "MA-PPO n = 5, σ unit", _fixed("5", "--value_function", "unit")),
+    Variant("n5_sigma_position", "MA-PPO n = 5, σ position", _fixed("5", "--value_function", "position")),
+    Variant("n5_ratio_macro", "MA-PPO n = 5, macro ratio", _fixed("5", "--policy_ratio", "macro")),
+    Variant("rloo", "RLOO (K = 4)", _fixed("1", "--advantage_estimator", "rloo", "--num_samples_per_prompt", "4"),
+            needs=("advantage_estimator", "num_samples_per_prompt")),
+    Variant("grpo", "GRPO (K = 4)", _fixed("1", "--advantage_estimator", "grpo", "--num_samples_per_prompt", "4"),
+            needs=("advantage_estimator", "num_samples_per_prompt")),
+    Variant("reinforce", "REINFORCE", _fixed("inf", "--advantage_estimator", "reinforce"),
+            needs=("advantage_estimator",)),
+]}
+
+# reward setting -> (step-3 flags, the held-out score it optimises)
+REWARDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "gold": (("--reward_source", "gold"), "gold_score"),
+    "rm": ((), "rm_score"),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    reward: str
+    variant: str
+    seed: int
+    root: Path
+
+    @property
+    def out(self) -> Path:
+        return self.root / self.reward / self.variant / f"seed{self.seed}"
+
+    @property
+    def done(self) -> bool:
+        return (self.out / "summary.json").exists()
+
+
+def plan(root: Path, rewards: list[str], variants: list[str], seeds: list[int]) -> list[RunSpec]:
+    unknown = [v for v in variants if v not in VARIANTS] + [r for r in rewards if r not in REWARDS]
+    if unknown:
+        raise ValueError(f"unknown variant/reward {unknown}; variants: {sorted(VARIANTS)}; rewards: {sorted(REWARDS)}")
+    return [RunSpec(r, v, s, root) for r in rewards for v in variants for s in seeds]
+
+
+# --------------------------------------------------------------------------------------------- reading runs
+def read_run(out: Path) -> dict:
+    """One finished run as ``{"steps": S, "curve": {step: {key: value}}, "final": {...}, "train_kl": {step: v}}``.
+
+    The curve holds step 0 (``initial_policy.json``), every ``eval/*`` row of ``metrics.jsonl`` and the
+    final evaluation at step S (``summary.json``, which wins over an ``eval/*`` row at the same step)."""
+    summary = json.loads((out / "summary.json").read_text())
+    steps = int(summary["steps"])
+    curve: dict[int, dict] = {0: dict(summary["initial_policy"])}
+    train_kl: dict[int, float] = {}
+    metrics = out / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ev = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/")}
+        if ev:
+            curve.setdefault(int(row["step"]), {}).update(ev)
+        if "train/kl" in row:
+            train_kl[int(row["step"])] = row["train/kl"]
+    curve[steps] = dict(summary["final_policy"])
+    return {"steps": steps, "curve": curve, "final": curve[steps], "train_kl": train_kl}
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Mean and half-width of the two-sided Student-t confidence interval over seeds (half-width nan for
+    one seed: no spread to estimate)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    from scipy.stats import t
+
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+
+
+@dataclass
+class VariantResult:
+    """A variant under one reward setting, over its seeds."""
+
+    variant: str
+    seeds: list[int]
+    steps: int
+    curves: dict[str, dict[int, list[float]]]  # key -> step -> one value per seed (steps every seed has)
+    finals: dict[str, list[float]]  # key -> one final value per seed
+
+    def mean_curve(self, key: str) -> dict[int, float]:
+        return {s: sum(v) / len(v) for s, v in sorted(self.curves.get(key, {}).items())}
+
+    def final(self, key: str) -> tuple[float, float]:
+        return t_interval(self.finals[key])
+
+
+def collect(specs: list[RunSpec]) -> dict[str, dict[str, VariantResult]]:
+    """reward -> variant -> result, over the finished runs among ``specs`` (unfinished ones are left out;
+    :func:`missing` names them)."""
+    grouped: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+    for spec in specs:
+        if spec.done:
+            grouped.setdefault((spec.reward, spec.variant), []).append((spec.seed, read_run(spec.out)))
+    out: dict[str, dict[str, VariantResult]] = {}
+    for (reward, variant), runs in grouped.items():
+        runs.sort()
+        keys = [k for k in runs[0][1]["final"] if all(k in r["final"] for _, r in runs)
+                and isinstance(runs[0][1]["final"][k], (int, float))]
+        common = set.intersection(*(set(r["curve"]) for _, r in runs))
+        curves = {k: {s: [r["curve"][s][k] for _, r in runs] for s in sorted(common)
+                      if all(k in r["curve"][s] for _, r in runs)} for k in keys}
+        # KL to the reference: the held-out one where logged, else the training batches' (every step)
+        if "kl" not in keys:
+            kl_common = set.intersection(*(set(r["train_kl"]) for _, r in runs))
+            curves["train_kl"] = {s: [r["train_kl"][s] for _, r in runs] for s in sorted(kl_common)}
+        out.setdefault(reward, {})[variant] = VariantResult(
+            variant, [s for s, _ in runs], max(r["steps"] for _, r in runs), curves,
+            {k: [r["final"][k] for _, r in runs] for k in keys})
+    return out
+
+
+def missing(specs: list[RunSpec]) -> list[RunSpec]:
+    return [s for s in specs if not s.done]
+
+
+def steps_to_parity(result: VariantResult, baseline: VariantResult, key: str) -> float | None:
+    """First evaluated step at which ``result``'s seed-mean of ``key`` reaches ``baseline``'s final
+    seed-mean, divided by the baseline's number of steps (< 1: faster than PPO).  None: never reached."""
+    target = sum(baseline.finals[key]) / len(baseline.finals[key])
+    for step, value in result.mean_curve(key).items():
+        if value >= target:
+            return step / baseline.steps
+    return None

@@ -1,0 +1,197 @@
+"""The reproduction benchmark: reading runs, seed statistics, steps-to-parity, the report — against hand-made
+runs and hand computations — and ``scripts/reproduce.py --quick`` end to end, its report checked against the
+run logs it was built from."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marlhf.eval import sweep
+from marlhf.eval.results_report import summary_table, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+T975_DF2 = 4.302652729911275  # Student-t 97.5% quantile, 2 degrees of freedom (tables)
+
+
+def fake_run(out: Path, steps: int, curve: dict[int, float], rm: float, seed_kl: float) -> None:
+    """A finished step-3 run folder as step 3 writes it: gold_score curve at the given steps."""
+    out.mkdir(parents=True)
+    final = {"gold_score": curve[steps], "rm_score": rm, "response_len": 40.0, "eos_rate": 1.0}
+    (out / "summary.json").write_text(json.dumps({"steps": steps, "initial_policy": {
+        "gold_score": curve[0], "rm_score": 0.0, "response_len": 45.0, "eos_rate": 1.0}, "final_policy": final}))
+    rows = [{"step": s, "train/kl": seed_kl * s, "train/reward": 0.1} for s in range(1, steps + 1)]
+    rows += [{"step": s, "eval/gold_score": v, "eval/rm_score": 0.5} for s, v in curve.items() if 0 < s < steps]
+    (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+@pytest.fixture
+def runs(tmp_path):
+    # PPO reaches 0.5 at step 8 (mean over seeds); n5 gets there at step 4 -> parity 4/8 = 0.5
+    ppo = {1: {0: 0.1, 4: 0.2, 8: 0.50}, 2: {0: 0.1, 4: 0.3, 8: 0.40}, 3: {0: 0.1, 4: 0.25, 8: 0.60}}
+    n5 = {1: {0: 0.1, 4: 0.55, 8: 0.7}, 2: {0: 0.1, 4: 0.45, 8: 0.6}, 3: {0: 0.1, 4: 0.5, 8: 0.8}}
+    for variant, curves in (("ppo", ppo), ("n5", n5)):
+        for seed, curve in curves.items():
+            fake_run(tmp_path / "gold" / variant / f"seed{seed}", 8, curve, rm=seed / 10, seed_kl=0.01 * seed)
+    return tmp_path, ppo, n5
+
+
+def test_read_run_curve_holds_initial_eval_rows_and_final(runs):
+    root, ppo, _ = runs
+    run = sweep.read_run(root / "gold" / "ppo" / "seed1")
+    assert run["steps"] == 8
+    assert {s: v["gold_score"] for s, v in run["curve"].items()} == ppo[1]
+    assert run["train_kl"][8] == pytest.approx(0.08)
+
+
+def test_seed_statistics_and_parity_against_hand_computation(runs):
+    root, ppo, n5 = runs
+    res = sweep.collect(sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3]))["gold"]
+    finals = [n5[s][8] for s in (1, 2, 3)]
+    mean = sum(finals) / 3
+    sd = math.sqrt(sum((v - mean) ** 2 for v in finals) / 2)
+    m, half = res["n5"].final("gold_score")
+    assert m == pytest.approx(mean) and half == pytest.approx(T975_DF2 * sd / math.sqrt(3))
+    # PPO's final mean 0.5; n5's seed-mean curve: step 0 0.1, step 4 0.5 -> reached at 4 of PPO's 8 steps
+    assert sweep.steps_to_parity(res["n5"], res["ppo"], "gold_score") == pytest.approx(0.5)
+    assert sweep.steps_to_parity(res["ppo"], res["ppo"], "gold_score") == pytest.approx(1.0)
+    # the training KL curve (no held-out KL logged) is kept for every step
+    assert res["ppo"].curves["train_kl"][8] == pytest.approx([0.08, 0.16, 0.24])
+
+
+def test_parity_never_reached_is_none(runs):
+    root, _, _ = runs
+    res = sweep.collect(sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3]))["gold"]
+    assert sweep.steps_to_parity(res["ppo"], res["n5"], "gold_score") is None  # PPO never reaches n5's 0.7
+
+
+def test_unfinished_runs_are_missing_not_averaged(runs):
+    root, _, _ = runs
+    (root / "gold" / "n5" / "seed3" / "summary.json").unlink()
+    specs = sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3])
+    assert [(s.variant, s.seed) for s in sweep.missing(specs)] == [("n5", 3)]
+    assert sweep.collect(specs)["gold"]["n5"].seeds == [1, 2]
+
+
+def test_report_table_equals_the_runs(runs, tmp_path):
+    root, ppo, n5 = runs
+    specs = sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3])
+    results = sweep.collect(specs)
+    report = write_report(tmp_path / "docs" / "results.md", results,
+                          settings={"seeds": [1, 2, 3], "steps": 8, "eval_interval": 4, "eval_samples": 8,
+                                    "rewards": ["gold"]}, commands=["cmd"], missing=[], unavailable={},
+                          invocation="test")
+    text = report.read_text()
+    assert (tmp_path / "docs" / "results" / "curves_gold.png").stat().st_size > 1000
+    table = {r["variant"]: r for r in summary_table(results["gold"], "gold")}
+    assert table["n5"]["gold_score"]["per_seed"] == [n5[s][8] for s in (1, 2, 3)]
+    row = next(line for line in text.splitlines() if line.startswith("| MA-PPO n = 5 |"))
+    gold_cell = row.split("|")[3].strip()
+    assert gold_cell == f"{table['n5']['gold_score']['mean']:.3f} ± {table['n5']['gold_score']['ci95']:.3f}"
+    assert row.split("|")[-2].strip() == "0.50"  # parity
+    assert "reached PPO's final gold_score at 0.50 of PPO's steps — faster as claimed" in text
+    saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text())
+    assert saved["tables"]["gold"][1]["gold_score"]["per_seed"] == [n5[s][8] for s in (1, 2, 3)]
+
+
+def test_unknown_variant_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown variant"):
+        sweep.plan(tmp_path, ["gold"], ["n7"], [1])
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    return {cells[0]: cells[1:] for line in text.splitlines() if line.startswith("| ") and "---" not in line
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+
+
+@pytest.mark.slow
+def test_quick_sweep_end_to_end(tmp_path):
+    """``--quick``: steps 1–2 briefly, PPO and MA-PPO n = 5 for 2 seeds x 3 steps with the gold reward, held-out
+    evaluation every step; the report's numbers are the runs' own, and a rerun trains nothing."""
+    out, report = tmp_path / "repro", tmp_path / "docs" / "results.md"
+    cmd = [sys.executable, "scripts/reproduce.py", "--quick", "--out", str(out), "--report", str(report)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table_rows(report.read_text())
+    for variant in ("ppo", "n5"):
+        finals, evals = [], []
+        for seed in (1, 2):
+            run = out / "gold" / variant / f"seed{seed}"
+            summary = json.loads((run / "summary.json").read_text())
+            assert summary["steps"] == 3
+            finals.append(summary["final_policy"]["gold_score"])
+            metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            evals.append([m["step"] for m in metrics if "eval/gold_score" in m])
+        assert evals == [[1, 2], [1, 2]]  # --eval_interval 1, the final evaluation is summary.json's
+        mean = sum(finals) / 2
+        label = sweep.VARIANTS[variant].label
+        assert re.match(rf"{mean:.3f} ± ", rows[label][1]), (rows[label], finals)
+    rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "4 runs, 4 done, 0 to run" in rerun.stdout
+
+
+def test_data_seed_fixes_the_split_while_seed_varies():
+    from marlhf.config import RLHFArgs, parse_args
+    from marlhf.data.pipeline import phase_records
+    from marlhf.data.records import BadRowPolicy
+
+    def split(*flags):
+        args, _ = parse_args(RLHFArgs, ["--data_path", "synthetic:num_records=200", *flags])
+        train, held = phase_records(args.data_path, args.data_split, 3, args.split_seed, args.eval_fraction,
+                                    BadRowPolicy())
+        return [r.source for r in train], [r.source for r in held]
+
+    assert split("--seed", "7", "--data_seed", "1234") == split("--seed", "1234")
+    assert split("--seed", "7") != split("--seed", "1234")  # without it, --seed reshuffles the phases
+
+
+def test_held_out_kl_against_a_per_sample_loop(tmp_path):
+    """evaluate_policy's KL = Σ_t log π(a_t|s_t) − log π_ref(a_t|s_t) over each held-out answer, averaged:
+    0 with the reference itself, and the loop value over the same seeded samples with a perturbed actor."""
+    import torch
+    from ppo_harness import make_trainer, rlhf_args
+
+    from marlhf import embedded
+    from marlhf.data.pipeline import PromptCollator, build_phase_data
+    from marlhf.generation import GenerationConfig, sample
+    from marlhf.models.loading import stop_token_ids
+    from marlhf.rlhf.trainer import evaluate_policy
+
+    nano = embedded.prepare(size="nano").model_dir
+    args = rlhf_args(nano, tmp_path, max_eval_samples=6, per_device_generation_batch_size=4,
+                     per_device_training_batch_size=4)
+    t = make_trainer(args)
+    items = build_phase_data(args, t.tokenizer, phase=3).eval[:6]
+    actor, ref = t.rlhf.actor, t.rlhf.ref
+    assert evaluate_policy(actor, t.rlhf.reward, t.tokenizer, items, args, ref=ref)["kl"] == 0.0
+    with torch.no_grad():
+        actor.module.lm_head.weight.add_(0.05 * torch.randn_like(actor.module.lm_head.weight))
+    got = evaluate_policy(actor, t.rlhf.reward, t.tokenizer, items, args, ref=ref, seed=5)["kl"]
+
+    cfg = GenerationConfig.from_args(args, stop_token_ids(t.tokenizer, args.end_of_conversation_token),
+                                     t.tokenizer.pad_token_id)
+    total = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        for i in range(0, len(items), 4):
+            batch = PromptCollator(t.tokenizer.pad_token_id)(items[i:i + 4])
+            s = sample(actor, batch["prompt_ids"], batch["prompt_mask"], cfg)
+            for row in range(s.seq.shape[0]):
+                ids = s.seq[row][s.attention_mask[row].bool()]  # unpadded prompt + answer
+                n_prompt = int(s.prompt_mask[row].sum())
+                kl = 0.0
+                for model_sign in ((actor.module, 1.0), (ref.module, -1.0)):
+                    model, sign = model_sign
+                    with torch.no_grad():
+                        logp = torch.log_softmax(model(ids[None]).logits[0].double(), -1)
+                    for pos in range(n_prompt, len(ids)):  # each answer token given everything before it
+                        kl += sign * logp[pos - 1, ids[pos]].item()
+                total.append(kl)
+    assert got == pytest.approx(sum(total) / len(total), rel=1e-4, abs=1e-5)
+    assert abs(got) > 1e-3
