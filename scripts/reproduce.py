@@ -21,6 +21,8 @@ The data split is fixed (``--data_seed``) across all runs; ``--seed`` varies the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -58,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--report", default=str(REPO / "docs" / "results.md"), help="Markdown report to write.")
     p.add_argument("--report_only", action="store_true", help="Write the report from finished runs; train nothing.")
     p.add_argument("--dry_run", action="store_true", help="Print the commands, run nothing.")
+    p.add_argument("--lock", help="Take this file lock (flock) around each run, so other heavy jobs on a shared "
+                   "machine interleave between runs instead of skewing their timings.")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for k, v in defaults.items():
@@ -66,11 +70,14 @@ def parse_args(argv=None):
     return args
 
 
-def run(cmd: list[str], env: dict, log_path: Path, dry: bool) -> None:
+def run(cmd: list[str], env: dict, log_path: Path, dry: bool, lock: str | None = None) -> None:
     print("$ " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry:
         return
-    proc = subprocess.run(cmd, env={**os.environ, **env}, cwd=REPO)
+    with open(lock, "a") if lock else contextlib.nullcontext() as held:
+        if held is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        proc = subprocess.run(cmd, env={**os.environ, **env}, cwd=REPO)
     if proc.returncode != 0:  # the runs before it are kept: rerun to continue
         raise SystemExit(f"failed with exit code {proc.returncode}: see {log_path}")
 
@@ -86,7 +93,7 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
         env = {"MODEL_PATH": args.sft} if args.sft else {}
         commands.append(shlex.join(["python", *cmd[1:]]))
         if not (base / "summary.json").exists() and not args.report_only:
-            run(cmd, env, base / "step1" / "training.log", args.dry_run)
+            run(cmd, env, base / "step1" / "training.log", args.dry_run, args.lock)
     return args.sft or str(base / "step1"), args.rm or str(base / "step2"), commands
 
 
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
         if spec.done or args.report_only:
             continue
         t0 = time.time()
-        run(cmd, env, spec.out / "training.log", args.dry_run)
+        run(cmd, env, spec.out / "training.log", args.dry_run, args.lock)
         print(f"[{specs.index(spec) + 1}/{len(specs)}] {spec.reward}/{spec.variant}/seed{spec.seed}: "
               f"{time.time() - t0:.0f} s", flush=True)
     if args.dry_run:
