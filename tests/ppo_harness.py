@@ -23,7 +23,8 @@ import torch
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
-from marlhf.rlhf.trainer import Experience, MAPPOTrainer
+from marlhf.rlhf.rollout import Experience
+from marlhf.rlhf.trainer import MAPPOTrainer
 from marlhf.utils import dist
 
 

@@ -16,10 +16,11 @@ from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.errors import ConfigError, run_cli
+from marlhf.eval.policy import evaluate_policy
 from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
-from marlhf.rlhf.trainer import MAPPOTrainer, evaluate_policy
+from marlhf.rlhf.trainer import MAPPOTrainer
 from marlhf.utils import dist
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
