@@ -18,8 +18,9 @@ import torch
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.generation import GenerationConfig, Samples, decode
-from marlhf.models.loading import sequence_scores, stop_token_ids
+from marlhf.generation import GenerationConfig, Samples
+from marlhf.models.loading import stop_token_ids
+from marlhf.rewards import RewardModelSource, RewardSource, score_samples
 from marlhf.rlhf import macro
 from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema
 from marlhf.rlhf.rollout import Experience, RolloutSettings, make_experience
@@ -33,28 +34,27 @@ log = logging.getLogger("marlhf")
 
 
 class MAPPOTrainer:
-    def __init__(self, args, rlhf: RLHFEngine, tokenizer, scorer=None):
+    def __init__(self, args, rlhf: RLHFEngine, tokenizer, reward: RewardSource | None = None):
         self.args, self.rlhf, self.tokenizer = args, rlhf, tokenizer
         self.stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
         self.pad_id = tokenizer.pad_token_id
         self.gen_cfg = GenerationConfig.from_args(args, self.stop_ids, self.pad_id)
         self.segmenter = MacroSegmenter(args, tokenizer)
         self.rollout, self.update = RolloutSettings.from_args(args), UpdateSettings.from_args(args)
-        self.scorer = scorer  # optional (prompts, answers) -> scores, replaces the reward model
+        # the reward source (marlhf.rewards): the frozen reward engine unless another is given
+        self.reward = reward if reward is not None else RewardModelSource(rlhf.reward)
         self.guard = StepGuard(args.max_skipped_steps)  # drops non-finite updates, stops after too many
 
     # -- 1-3. experience (marlhf.rlhf.rollout) ------------------------------------------------------------
-    def make_experience(self, prompt_ids, prompt_mask, step: int, batch: int = 0) -> tuple[Experience, dict]:
-        """Generate, score and segment answers to one prompt batch (``batch``: its index in the step)."""
-        return make_experience(self.rlhf.actor, self.rlhf.ref, self.rlhf.critic, self._score, self.segmenter,
-                               self.gen_cfg, self.rollout, prompt_ids, prompt_mask, step, batch)
+    def make_experience(self, prompt_ids, prompt_mask, step: int, batch: int = 0,
+                        meta: list[dict] | None = None) -> tuple[Experience, dict]:
+        """Generate, score and segment answers to one prompt batch (``batch``: its index in the step;
+        ``meta``: each prompt's record meta, for the reward source)."""
+        def score(s: Samples) -> torch.Tensor:
+            return score_samples(self.reward, self.tokenizer, s, meta)
 
-    def _score(self, s: Samples) -> torch.Tensor:
-        if self.scorer is not None:
-            scores = self.scorer(decode(self.tokenizer, s.prompt_ids, s.prompt_mask),
-                                 decode(self.tokenizer, s.answers, s.answer_mask), s.ended.tolist())
-            return torch.tensor(scores, dtype=torch.float32, device=s.seq.device)
-        return sequence_scores(self.rlhf.reward, s.seq, s.attention_mask)
+        return make_experience(self.rlhf.actor, self.rlhf.ref, self.rlhf.critic, score, self.segmenter,
+                               self.gen_cfg, self.rollout, prompt_ids, prompt_mask, step, batch)
 
     # -- 4. PPO update (marlhf.rlhf.update) ---------------------------------------------------------------
     def ppo_update(self, exps: list[Experience], ptx_batches=None) -> dict:
@@ -89,7 +89,8 @@ class MAPPOTrainer:
                 exps, gen_stats = [], []
                 for k in range(a.generation_batches):
                     batch = next(it)
-                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step, k)
+                    exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step, k,
+                                                  batch["meta"])
                     exps.append(exp)
                     gen_stats.append(s)
                 done += 1
