@@ -222,22 +222,36 @@ class RLHFArgs(BaseArgs):
     parser_model: str = opt("", "Parsing rule model: a benepar model name (e.g. benepar_en3 in nltk_data) or folder, "
                             "or a spaCy pipeline; empty: the backend's default (benepar: benepar_en3 if "
                             "installed, else the project-built model).")
-    response_kind: str = opt("text", "Parsing rule: responses are natural language or Python code.",
-                             choices=("text", "code"))
+    response_kind: str = opt("auto", "Parsing rule: responses are natural language or Python code; auto: code for "
+                             "the code task (--reward_source program_tests or synthetic_code data), else text.",
+                             choices=("auto", "text", "code"))
     value_function: str = opt("equal", "σ weights of token values inside a macro action (paper D.1).",
                               choices=("equal", "unit", "position"))
     macro_reward: str = opt("sum", "Macro reward: 'sum' (paper, ρ = 1) or 'compat' (released code: σ-weighted, "
                             "last token its own macro action).", choices=("sum", "compat"))
     policy_ratio: str = opt("token", "PPO ratio per token with the macro advantage (released code) or per "
                             "macro action exp(Σ Δlogπ) (paper eq.)", choices=("token", "macro"))
-    reward_source: str = opt("reward_model", "Where the sequence score comes from: the reward model, or the "
-                             "embedded task's gold scorer.", choices=("reward_model", "gold"))
+    reward_source: str = opt("reward_model", "Where the sequence score comes from (marlhf/rewards.py): the reward "
+                             "model ('rm' is the same); the embedded task's gold scorer; or program_tests: each "
+                             "answer's program run against its problem's unit tests in a sandbox, reward of paper "
+                             "App. B.5 (no reward model: the critic starts from the actor unless "
+                             "--critic_model_name_or_path is given).",
+                             choices=("reward_model", "rm", "gold", "program_tests"))
+    reward_workers: int = opt(1, "program_tests: worker processes running the programs of a batch in parallel "
+                              "(results do not depend on it).")
     print_answers: bool = opt(False, "Print a sample prompt/answer every --print_answers_interval steps.")
     print_answers_interval: int = opt(1, "Steps between printed answers.")
 
     def validate(self) -> None:
         super().validate()
         _ = self.ngram_n  # raises on a bad --ngram
+        if self.reward_source == "rm":
+            self.reward_source = "reward_model"
+        if self.response_kind == "auto":  # the code task's answers are programs (paper B.4)
+            code_data = all(spec.split(":", 1)[0] == "synthetic_code" for spec in self.data_path)
+            self.response_kind = "code" if self.reward_source == "program_tests" or code_data else "text"
+        if self.reward_workers < 1:
+            raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
         if self.per_device_training_batch_size > self.per_device_generation_batch_size * self.generation_batches:
             raise ValueError("--per_device_training_batch_size cannot exceed the experiences collected per update "
                              "(--per_device_generation_batch_size x --generation_batches)")

@@ -7,7 +7,7 @@ segmentation.  This measures it on the embedded tiny model (actor = critic init 
   1. build the RLHF engine once and collect ONE experience batch (generation + 4 forwards, seeded), so
      every variant sees the same prompts, answers, log-probs, values and rewards;
   2. time, on that same experience,
-     (a) the macro part of experience processing (segmenter + ``compute_advantages``) for every rule
+     (a) the macro part of experience processing (``rollout.macro_advantages``: segmenter + GAE) for every rule
          (--variants: fixed n=1, n=5, randomized, ppl, word, parsing; cheap, --macro_repeats times), and
      (b) the full update = macro part + ``MAPPOTrainer.ppo_update`` (actor + critic forward/backward/step)
          for --update_variants (default all; ~1 s each on 2 idle cores, so on a loaded machine pass e.g.
@@ -48,9 +48,9 @@ from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
 from marlhf.models.loading import load_tokenizer_and_format  # noqa: E402
 from marlhf.rlhf.macro import macro_lengths  # noqa: E402
-from marlhf.rlhf.ppo_math import compute_advantages  # noqa: E402
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
-from marlhf.rlhf.trainer import Experience, MAPPOTrainer  # noqa: E402
+from marlhf.rlhf.rollout import Experience, macro_advantages  # noqa: E402
+from marlhf.rlhf.trainer import MAPPOTrainer  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
 
 # name -> RLHFArgs overrides; the first one is the baseline of the ratios
@@ -100,11 +100,9 @@ def fingerprint(engine) -> str:
 def macro_part(trainer: MAPPOTrainer, exp: Experience) -> tuple[Experience, int]:
     """Step 3 of make_experience alone: termination rule → segment ids → macro advantages/returns (and the
     number of samples whose parse fell back to fixed n)."""
-    a = trainer.args
     answer = exp.seq[:, exp.prompt_width:]
-    seg, fallbacks = trainer.segmenter(answer, exp.mask, exp.ref_logprobs, 0)
-    adv, ret, _ = compute_advantages(exp.values, exp.rewards, exp.mask, seg, a.value_function, a.macro_reward,
-                                     a.gamma, a.lam, a.whiten_advantages)
+    seg, adv, ret, _, fallbacks = macro_advantages(trainer.segmenter, answer, exp.mask, exp.ref_logprobs,
+                                                   exp.values, exp.rewards, trainer.rollout, step=0)
     return dataclasses.replace(exp, seg=seg, advantages=adv, returns=ret), fallbacks
 
 

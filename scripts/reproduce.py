@@ -103,6 +103,9 @@ def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str) -> tuple[list[st
     extra = [*variant.flags, *reward_flags, "--seed", str(spec.seed), "--data_seed", "1234",
              "--max_steps", str(args.steps), "--eval_interval", str(args.eval_interval),
              "--max_eval_samples", str(args.eval_samples), "--save_steps", str(args.eval_interval), "--resume"]
+    if spec.reward == "gold":  # the critic learns gold returns from a new head on the SFT model (a reward
+        # model's head starts on the wrong scale and steers the first updates); the RM still scores held-out
+        extra += ["--critic_model_name_or_path", sft, "--reward_model_name_or_path", rm]
     env = {"ACTOR_MODEL_PATH": sft, "CRITIC_MODEL_PATH": rm, "EXTRA_ARGS": " ".join(extra)}
     cmd = ["bash", "training/step3_rlhf_finetuning/training_scripts/tiny/run_tiny.sh", str(spec.out)]
     return cmd, env

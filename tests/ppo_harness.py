@@ -23,7 +23,8 @@ import torch
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
-from marlhf.rlhf.trainer import Experience, MAPPOTrainer
+from marlhf.rlhf.rollout import Experience
+from marlhf.rlhf.trainer import MAPPOTrainer
 from marlhf.utils import dist
 
 
@@ -40,7 +41,7 @@ def rlhf_args(nano, out, **flags) -> RLHFArgs:
     return args
 
 
-def make_trainer(args, scorer=None) -> MAPPOTrainer:
+def make_trainer(args, reward=None) -> MAPPOTrainer:
     """Fresh engines; the critic's new value head is initialised from the same seed every time."""
     dist.init_distributed()
     tok, fmt = load_tokenizer_and_format(args.actor_model_name_or_path, args.end_of_conversation_token,
@@ -48,7 +49,7 @@ def make_trainer(args, scorer=None) -> MAPPOTrainer:
     args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
     dist.set_seed(args.seed)
     rlhf = build_rlhf_engine(args, tok, total_steps=4)
-    return MAPPOTrainer(args, rlhf, tok, scorer=scorer)
+    return MAPPOTrainer(args, rlhf, tok, reward=reward)
 
 
 def prompts(args, tok, n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,7 +108,7 @@ def test_compute_advantages_on_an_empty_batch_has_zero_statistics():
 # ----------------------------------------------------------------------------------- randomized seeding
 def test_randomized_rule_differs_per_generation_batch_and_repeats_per_seed(embedded):
     from marlhf.models.loading import load_tokenizer
-    from marlhf.rlhf.trainer import MacroSegmenter
+    from marlhf.rlhf.segmentation import MacroSegmenter
 
     args = SimpleNamespace(termination_condition="randomized", ngram_n=5, seed=0, repeat_times=3,
                            macro_reward="sum", response_kind="text", parser_backend="spacy", parser_cutoff=5)
@@ -126,7 +126,7 @@ def test_randomized_rule_differs_per_generation_batch_and_repeats_per_seed(embed
 
 @pytest.mark.parametrize("parts", [(0, 1, 0, 0), (0, 0, 101, 0), (0, 0, 0, 101)])
 def test_stream_seeds_do_not_collide(parts):
-    from marlhf.rlhf.trainer import stream_seed
+    from marlhf.rlhf.segmentation import stream_seed
 
     assert stream_seed(*parts) != stream_seed(0, 0, 0, 0) and stream_seed(*parts) == stream_seed(*parts)
 

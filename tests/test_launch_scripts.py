@@ -132,8 +132,6 @@ def default_env(path: Path) -> dict[str, str]:
     """What a script needs before it launches anything (everything else has a default)."""
     if path == MULTI_NODE:
         return {"HOSTFILE": str(HOSTFILE_EXAMPLE)}
-    if path.parent.name == "codegemma" and step_of(path) == 3:
-        return {"REWARD_SOURCE": "reward_model", "REWARD_MODEL_PATH": "/models/code-rm"}
     return {}
 
 
@@ -397,6 +395,8 @@ def test_ppo_table5(rel, task, tmp_path):
     assert cfg.actor_model_name_or_path == sft
     if code:
         assert cfg.critic_model_name_or_path == sft and cfg.response_kind == "code"
+        # the compiler-signal reward of B.5: no reward model
+        assert (cfg.reward_source, cfg.reward_model_name_or_path, cfg.reward_workers) == ("program_tests", "", 1)
     else:
         rm = parse(2, launch_ok(script(2, rel), tmp_path, TASK=task).flags, rel).output_dir
         assert cfg.critic_model_name_or_path == rm and cfg.reward_source == "reward_model"
@@ -425,15 +425,21 @@ def test_ppo_overrides(tmp_path):
     assert bad.returncode == 2 and bad.argv is None and "PER_DEVICE_TRAIN_BATCH" in bad.stderr
 
 
-def test_codegemma_ppo_waits_for_the_program_reward(tmp_path):
+def test_codegemma_ppo_runs_with_program_tests(tmp_path):
     for rel in ("codegemma/run_2b.sh", "codegemma/run_7b.sh"):
-        out = run(script(3, rel), tmp_path)
-        assert out.returncode == 3 and out.argv is None  # stopped before launching
-        assert "compiler-signal reward" in out.stderr and "evaluation/code-task" in out.stderr
+        _, cfg = launch_and_parse(script(3, rel), tmp_path, REWARD_WORKERS="4")
+        assert (cfg.reward_source, cfg.reward_workers, cfg.response_kind) == ("program_tests", 4, "code")
+        assert cfg.reward_model_name_or_path == ""
+        for bad in ("0", "two"):
+            out = run(script(3, rel), tmp_path, REWARD_WORKERS=bad)
+            assert out.returncode == 2 and out.argv is None and "REWARD_WORKERS" in out.stderr
         out = run(script(3, rel), tmp_path, REWARD_SOURCE="reward_model")
         assert out.returncode == 2 and "REWARD_MODEL_PATH" in out.stderr
-        _, cfg = launch_and_parse(script(3, rel), tmp_path)
+        _, cfg = launch_and_parse(script(3, rel), tmp_path, REWARD_SOURCE="reward_model",
+                                  REWARD_MODEL_PATH="/models/code-rm")
         assert (cfg.reward_source, cfg.reward_model_name_or_path) == ("reward_model", "/models/code-rm")
+        out = run(script(3, rel), tmp_path, REWARD_SOURCE="judge")
+        assert out.returncode == 2 and "REWARD_SOURCE must be" in out.stderr
 
 
 # ------------------------------------------------------------------------------------------ tiny scripts

@@ -155,11 +155,13 @@ def test_token_mean_needs_whole_windows_per_update(nano, tmp_path):
 
 
 def _nan_scores(trainer, ids, mask, step):
-    """make_experience with a scorer that gives answer 0 a NaN reward (the gold-scorer path of the trainer)."""
-    def scorer(prompt_texts, answers, ended=None):
-        return [float("nan")] + [0.5] * (len(answers) - 1)
+    """make_experience with a reward source that gives answer 0 a NaN reward (the text path of the trainer's
+    reward sources: gold scorer, program tests)."""
+    class NaNReward:
+        def score(self, prompt_texts, answers, meta, *, ended=None):
+            return [float("nan")] + [0.5] * (len(answers) - 1)
 
-    trainer.scorer = scorer
+    trainer.reward = NaNReward()
     return trainer.make_experience(ids, mask, step=step)[0]
 
 

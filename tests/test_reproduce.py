@@ -159,9 +159,9 @@ def test_held_out_kl_against_a_per_sample_loop(tmp_path):
 
     from marlhf import embedded
     from marlhf.data.pipeline import PromptCollator, build_phase_data
+    from marlhf.eval.policy import evaluate_policy
     from marlhf.generation import GenerationConfig, sample
     from marlhf.models.loading import stop_token_ids
-    from marlhf.rlhf.trainer import evaluate_policy
 
     nano = embedded.prepare(size="nano").model_dir
     args = rlhf_args(nano, tmp_path, max_eval_samples=6, per_device_generation_batch_size=4,
@@ -169,10 +169,10 @@ def test_held_out_kl_against_a_per_sample_loop(tmp_path):
     t = make_trainer(args)
     items = build_phase_data(args, t.tokenizer, phase=3).eval[:6]
     actor, ref = t.rlhf.actor, t.rlhf.ref
-    assert evaluate_policy(actor, t.rlhf.reward, t.tokenizer, items, args, ref=ref)["kl"] == 0.0
+    assert evaluate_policy(actor, t.tokenizer, items, args, {}, ref=ref)["kl"] == 0.0
     with torch.no_grad():
         actor.module.lm_head.weight.add_(0.05 * torch.randn_like(actor.module.lm_head.weight))
-    got = evaluate_policy(actor, t.rlhf.reward, t.tokenizer, items, args, ref=ref, seed=5)["kl"]
+    got = evaluate_policy(actor, t.tokenizer, items, args, {}, ref=ref, seed=5)["kl"]
 
     cfg = GenerationConfig.from_args(args, stop_token_ids(t.tokenizer, args.end_of_conversation_token),
                                      t.tokenizer.pad_token_id)

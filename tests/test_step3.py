@@ -148,7 +148,7 @@ def _segmenter(rule, **kw):
     from types import SimpleNamespace
 
     from marlhf.models.loading import load_tokenizer
-    from marlhf.rlhf.trainer import MacroSegmenter
+    from marlhf.rlhf.segmentation import MacroSegmenter
 
     tok = load_tokenizer("")
     args = SimpleNamespace(termination_condition=rule, ngram_n=kw.get("n", 5), seed=0, repeat_times=3,

@@ -10,8 +10,8 @@
 #
 # The environment variables a user sets are listed in
 # training/step1_supervised_finetuning/training_scripts/README.md ("Environment variables").
-# A bad setting stops the script before anything is launched, with status 2 (the unavailable APPS reward:
-# 3); a launch exits with deepspeed's status.
+# A bad setting stops the script before anything is launched, with status 2; a launch exits with
+# deepspeed's status.
 
 TRAINING_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STEP_DIRS=([1]=step1_supervised_finetuning [2]=step2_reward_model_finetuning [3]=step3_rlhf_finetuning)
@@ -83,27 +83,26 @@ by_task() {
     die "no value for TASK=$TASK among: $*"
 }
 
-# code_reward: the APPS reward of B.2 is the generated program's pass rate on the problem's tests (a
-# compiler signal).  It arrives with the evaluation/code-task work; until then REWARD_SOURCE=reward_model
-# with REWARD_MODEL_PATH runs the configuration, and the default stops with status 3 (not 2: nothing is
-# wrong with the call, the feature is missing).  Sets PPO_TASK_ARGS.
+# code_reward: the APPS reward of B.2/B.5 is the compiler signal of the generated program run against the
+# problem's tests in a sandbox (--reward_source program_tests; REWARD_WORKERS parallel test processes per
+# rank, default 1): no reward model, the critic starts from the SFT model.  REWARD_SOURCE=reward_model with
+# REWARD_MODEL_PATH scores with a code reward model instead.  Sets PPO_TASK_ARGS.
 code_reward() {
     REWARD_SOURCE=${REWARD_SOURCE:-program_tests}
     case "$REWARD_SOURCE" in
         program_tests)
-            cat >&2 <<'MSG'
-error: the APPS compiler-signal reward (pass@1 of the generated program on the problem's
-  tests, paper B.2) is not implemented yet: it arrives with the evaluation/code-task work.
-  To run this configuration now: REWARD_SOURCE=reward_model REWARD_MODEL_PATH=<code RM>.
-MSG
-            exit 3 ;;
+            REWARD_WORKERS=${REWARD_WORKERS:-1}
+            [[ "$REWARD_WORKERS" =~ ^[1-9][0-9]*$ ]] \
+                || die "REWARD_WORKERS must be a positive integer (got '$REWARD_WORKERS')"
+            PPO_TASK_ARGS=(--response_kind code
+                           --reward_source program_tests --reward_workers "$REWARD_WORKERS") ;;
         reward_model)
             REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-}
-            [[ -n "$REWARD_MODEL_PATH" ]] || die "REWARD_SOURCE=reward_model needs REWARD_MODEL_PATH" ;;
+            [[ -n "$REWARD_MODEL_PATH" ]] || die "REWARD_SOURCE=reward_model needs REWARD_MODEL_PATH"
+            PPO_TASK_ARGS=(--response_kind code
+                           --reward_source reward_model --reward_model_name_or_path "$REWARD_MODEL_PATH") ;;
         *) die "REWARD_SOURCE must be program_tests or reward_model (got '$REWARD_SOURCE')" ;;
     esac
-    PPO_TASK_ARGS=(--response_kind code
-                   --reward_source reward_model --reward_model_name_or_path "$REWARD_MODEL_PATH")
 }
 
 # ----------------------------------------------------------------------------- world size and batches

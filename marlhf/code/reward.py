@@ -39,7 +39,10 @@ class ProgramTestReward:
     def __init__(self, limits: Limits = DEFAULT_LIMITS, workers: int = 1, isolation: str = "auto"):
         self.limits, self.workers, self.isolation = limits, workers, isolation
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], meta: Sequence[dict]) -> list[float]:
+    def score(self, prompts: Sequence[str], responses: Sequence[str], meta: Sequence[dict], *,
+              ended: Sequence[bool] | None = None) -> list[float]:
+        """``ended`` is not used: an answer cut at the length limit is still run (a cut program usually fails
+        to compile, and the verdict says so)."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         return [r.reward for r in run_responses(responses, meta, self.limits, self.workers, self.isolation)]

@@ -29,7 +29,7 @@ from marlhf.utils import dist
 log = logging.getLogger("marlhf")
 
 PHASES = {1: "sft", 2: "reward", 3: "rlhf"}
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: phase-3 examples carry their record's meta
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -138,7 +138,12 @@ def _example(rec: Record, phase: int, fmt: PromptFormatter, max_seq_len: int, ma
              policy: BadRowPolicy, long_prompts: LongPromptPolicy) -> dict | None:
     if phase == 3:
         fitted = _fit_prompt(fmt, rec, max_prompt_len, long_prompts)
-        return None if fitted is None else {"prompt_ids": fmt.encode(fitted[0])[fitted[1]:]}
+        if fitted is None:
+            return None
+        item = {"prompt_ids": fmt.encode(fitted[0])[fitted[1]:]}
+        if rec.meta:  # what the reward source needs besides the text (tests, facts): on to the scorer
+            item["meta"] = rec.meta
+        return item
     fits = len(fmt.encode(fmt.prompt_text(rec.prompt))) < max_seq_len  # room for one response token
     fitted = _fit_prompt(fmt, rec, max_seq_len - 1 if fits else max_seq_len // 2, long_prompts)
     if fitted is None:
@@ -284,14 +289,15 @@ class PairCollator:
 
 
 class PromptCollator:
-    """Left-padded prompts, ready for generation."""
+    """Left-padded prompts, ready for generation, and each prompt's record meta (a list of dicts, {} when
+    the record has none) for the reward source."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def __call__(self, batch: list[dict]) -> dict:
         ids, mask = _pad([b["prompt_ids"] for b in batch], self.pad_id, left=True)
-        return {"prompt_ids": ids, "prompt_mask": mask}
+        return {"prompt_ids": ids, "prompt_mask": mask, "meta": [b.get("meta", {}) for b in batch]}
 
 
 # --------------------------------------------------------------------------------------------------------

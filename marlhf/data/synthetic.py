@@ -499,7 +499,8 @@ def generate(cfg: SyntheticConfig | None = None) -> list[Record]:
         chosen, rejected = (a, b) if score_a > score_b else (b, a)
         if rng.random() < cfg.label_noise:
             chosen, rejected = rejected, chosen
-        records.append(Record(prompt=prompt, chosen=chosen, rejected=rejected, source=f"synthetic:{i}"))
+        records.append(Record(prompt=prompt, chosen=chosen, rejected=rejected, source=f"synthetic:{i}",
+                              meta={"facts": facts_meta(parse_post(prompt))}))
     return records
 
 
@@ -548,6 +549,20 @@ class PostFacts:
     items: frozenset[tuple[str, str]]  # every (slot, key) the post mentions, distractors included
     tags: frozenset[str]  # every age/gender tag in the post
 
+    @classmethod
+    def from_meta(cls, facts: dict) -> PostFacts:
+        """Inverse of :func:`facts_meta` (a record's ``meta["facts"]``)."""
+        return cls(key=tuple((slot, value) for slot, value in facts["key"]),
+                   items=frozenset((slot, key) for slot, key in facts["items"]), tags=frozenset(facts["tags"]))
+
+
+def facts_meta(facts: PostFacts) -> dict:
+    """The post's facts as JSON-able data for ``Record.meta["facts"]`` (lists, items and tags sorted), so
+    the gold scorer reads what the generator wrote the post from instead of parsing (possibly truncated or
+    re-decoded) prompt text."""
+    return {"key": [list(kv) for kv in facts.key], "items": sorted(list(kv) for kv in facts.items),
+            "tags": sorted(facts.tags)}
+
 
 @functools.lru_cache(maxsize=4096)
 def parse_post(prompt: str) -> PostFacts:
@@ -589,11 +604,13 @@ def _copied_share(post: list[list[str]], answer: list[list[str]], n: int = COPY_
     return inside / total if total else 0.0
 
 
-def score_details(prompt: str, response: str, ended: bool | None = None) -> dict[str, float]:
+def score_details(prompt: str, response: str, ended: bool | None = None,
+                  facts: PostFacts | None = None) -> dict[str, float]:
     """The gold score and its components (module comment above "Gold score").
 
     ``ended``: whether the generation stopped at an end token (False: it ran into the length limit);
-    None when unknown, e.g. for reference text.  Components, as reported next to the total:
+    None when unknown, e.g. for reference text.  ``facts``: the post's facts as the generator recorded them
+    (``Record.meta["facts"]``); None parses them from ``prompt``.  Components, as reported next to the total:
 
     - ``coverage``: share of the post's key facts stated correctly (a relation with a wrong tag: half);
     - ``order``: share of concordant pairs among the covered facts (1.0 with fewer than two);
@@ -603,7 +620,7 @@ def score_details(prompt: str, response: str, ended: bool | None = None) -> dict
     - ``unfinished``: 1 if the last sentence is cut (no . ! ?), +1 if the answer has no end token;
     - ``copied``: share of the answer's words copied from the post in runs of 8+ words of one sentence.
     """
-    post = parse_post(prompt)
+    post = facts if facts is not None else parse_post(prompt)
     if not post.key:
         raise ValueError(f"prompt has no facts of the embedded task, cannot gold-score it: {prompt[:80]!r}")
     response = response.split(END_OF_CONVERSATION)[0]
@@ -688,14 +705,20 @@ def gold_scores(
 
 
 def gold_score_details(
-    prompts: Sequence[str], responses: Sequence[str], ended: Sequence[bool] | None = None
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    ended: Sequence[bool] | None = None,
+    facts: Sequence[PostFacts | None] | None = None,
 ) -> list[dict[str, float]]:
-    """:func:`score_details` over aligned lists."""
+    """:func:`score_details` over aligned lists (``facts`` per prompt, or None to parse every prompt)."""
     if len(prompts) != len(responses) or (ended is not None and len(ended) != len(responses)):
         n_ended = "" if ended is None else f" and {len(ended)} end flags"
         raise ValueError(f"gold_scores: {len(prompts)} prompts but {len(responses)} responses{n_ended}")
+    if facts is not None and len(facts) != len(prompts):
+        raise ValueError(f"gold_scores: {len(prompts)} prompts but {len(facts)} fact sets")
     flags = [None] * len(responses) if ended is None else [bool(e) for e in ended]
-    return [score_details(p, r, e) for p, r, e in zip(prompts, responses, flags)]
+    known = [None] * len(prompts) if facts is None else list(facts)
+    return [score_details(p, r, e, f) for p, r, e, f in zip(prompts, responses, flags, known)]
 
 
 def oracle_summary(prompt: str) -> str:
@@ -757,6 +780,16 @@ def read_jsonl(path: str | Path) -> list[Record]:
                     chosen=require_text(row, "chosen", str(path), row_no),
                     rejected=rejected,
                     source=row.get("source") or f"{path}:{row_no}",
+                    meta=_meta_field(row, str(path), row_no),
                 )
             )
     return out
+
+
+def _meta_field(row: dict, file: str, row_no: int) -> dict:
+    meta = row.get("meta")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise DataError(file, row_no, "meta", f"expected a JSON object, got {type(meta).__name__}")
+    return meta

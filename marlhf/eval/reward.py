@@ -21,16 +21,28 @@ class Scorer:
         self.model = load_value_model(path, self.tok).eval()
         self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
 
-    @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
         """Scores of prompt + response + end token, tokenized as step 2 tokenizes them (prompt format, length
         limit, long prompts truncated from the left)."""
-        records = [Record(p, r, None, f"<input>:{i}") for i, (p, r) in enumerate(zip(prompts, responses), 1)]
-        items = tokenize_phase(records, 1, self.tok, eot=self.eot, max_seq_len=self.max_len, max_prompt_len=0,
-                               policy=BadRowPolicy(), prompt_format=self.format.prompt_format,
-                               long_prompts=LongPromptPolicy("truncate"))
-        out = []
-        for i in range(0, len(items), batch_size):
-            ids, mask = _pad([x["input_ids"] for x in items[i:i + batch_size]], self.tok.pad_token_id)
-            out += sequence_scores(self.model, ids, mask).tolist()
-        return out
+        return score_texts(self.model, self.tok, prompts, responses, eot=self.eot,
+                           prompt_format=self.format.prompt_format, max_seq_len=self.max_len, batch_size=batch_size)
+
+    def score(self, prompts, responses, meta=None, *, ended=None) -> list[float]:
+        """The reward-source interface (:mod:`marlhf.rewards`); ``meta`` and ``ended`` are not used."""
+        return self(prompts, responses)
+
+
+@torch.no_grad()
+def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, eot: str, prompt_format: str,
+                max_seq_len: int, batch_size: int = 16) -> list[float]:
+    """Reward-model scores of prompt + response + end token, tokenized as step 2 tokenizes them."""
+    records = [Record(p, r, None, f"<input>:{i}") for i, (p, r) in enumerate(zip(prompts, responses), 1)]
+    items = tokenize_phase(records, 1, tokenizer, eot=eot, max_seq_len=max_seq_len, max_prompt_len=0,
+                           policy=BadRowPolicy(), prompt_format=prompt_format,
+                           long_prompts=LongPromptPolicy("truncate"))
+    device = next(iter(model.parameters())).device
+    out = []
+    for i in range(0, len(items), batch_size):
+        ids, mask = _pad([x["input_ids"] for x in items[i:i + batch_size]], tokenizer.pad_token_id)
+        out += sequence_scores(model, ids.to(device), mask.to(device)).tolist()
+    return out

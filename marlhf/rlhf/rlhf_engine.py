@@ -2,8 +2,10 @@
 
 actor     = the SFT model, trained (own ZeRO stage, optional LoRA / gradient checkpointing / offload)
 reference = a frozen copy of the SFT model (ZeRO-3 partitioned when the actor is; optionally offloaded)
-critic    = the step-2 reward model, trained as the value function (own ZeRO stage)
-reward    = the step-2 reward model, frozen
+critic    = the step-2 reward model, trained as the value function (own ZeRO stage); with a reward source
+            other than the reward model and no critic given, the SFT model with a fresh value head (B.5)
+reward    = the step-2 reward model, frozen (None when the reward comes from another source and no
+            --reward_model_name_or_path is given)
 ema       = optional exponential moving average of the actor (a frozen engine updated after each step)
 """
 
@@ -28,7 +30,7 @@ class RLHFEngine:
     actor: object
     ref: object
     critic: object
-    reward: object
+    reward: object | None  # None: the reward source is not the reward model
     ema: object | None = None
 
     def trainable(self) -> dict:
@@ -90,8 +92,13 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
         raise ConfigError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
                          "drop --enable_ema or LoRA")
     actor_path = resolve_model_path(args.actor_model_name_or_path)
-    critic_path = resolve_model_path(args.critic_model_name_or_path)
-    reward_path = args.reward_model_name_or_path or critic_path
+    uses_rm = args.reward_source in ("reward_model", "rm")
+    # without a reward model (gold scorer, program tests) the critic starts from the SFT model, as the paper
+    # does for APPS (B.5): its value head is new
+    critic_path = resolve_model_path(args.critic_model_name_or_path or ("" if uses_rm else actor_path))
+    # the reward model: the reward source, or (given explicitly) only reported in the held-out evaluation
+    reward_path = (args.reward_model_name_or_path or critic_path) if uses_rm else (
+        args.reward_model_name_or_path or None)
     with_ptx = bool(args.unsupervised_dataset_name) and args.unsup_coef != 0
     actor_total, critic_total = optimizer_steps(args, total_steps, with_ptx), optimizer_steps(args, total_steps)
     mb = args.per_device_training_batch_size
@@ -127,11 +134,14 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
         critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
                             task="SEQ_CLS")
     critic = engine_from_args(critic, args, critic_total, mb, role="critic")
-    # reward: frozen scorer
-    reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
-                           offload=args.offload_reference_model, dtype=args.dtype)
+    # reward: frozen scorer (only when the reward source is the reward model)
+    reward = None
+    if reward_path is not None:
+        reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
+                               offload=args.offload_reference_model, dtype=args.dtype)
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
-             args.actor_zero_stage, critic_path, args.critic_zero_stage, reward_path, args.enable_ema)
+             args.actor_zero_stage, critic_path, args.critic_zero_stage,
+             reward_path or f"none (--reward_source {args.reward_source})", args.enable_ema)
     return RLHFEngine(actor, ref, critic, reward, ema)
 
 

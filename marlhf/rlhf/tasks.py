@@ -13,8 +13,12 @@ log = logging.getLogger("marlhf")
 
 
 class GoldScorer:
-    """The embedded task's gold scorer: ``(prompts, answers, ended) -> scores``; ``ended`` says which answers
-    stopped at an end token.  ``details`` returns every component as well (printed next to the total)."""
+    """Reward source ``gold``: the embedded task's gold scorer (:mod:`marlhf.rewards`).
+
+    :meth:`score` reads each post's facts from ``meta["facts"]`` (written by the synthetic generator and
+    carried through the data cache), and parses the prompt text only for data without them; ``ended`` says
+    which answers stopped at an end token.  ``details`` returns every component as well (printed next to the
+    total); calling the scorer, ``(prompts, answers, ended) -> scores``, parses the prompts."""
 
     def __init__(self):
         from marlhf.data import synthetic
@@ -25,8 +29,19 @@ class GoldScorer:
     def __call__(self, prompts, answers, ended=None) -> list[float]:
         return self._synthetic.gold_scores(prompts, answers, ended)
 
-    def details(self, prompts, answers, ended=None) -> list[dict[str, float]]:
-        return self._synthetic.gold_score_details(prompts, answers, ended)
+    def score(self, prompts, responses, meta=None, *, ended=None) -> list[float]:
+        return [d["total"] for d in self.details(prompts, responses, ended, meta)]
+
+    def details(self, prompts, answers, ended=None, meta=None) -> list[dict[str, float]]:
+        return self._synthetic.gold_score_details(prompts, answers, ended, self._facts(meta, len(prompts)))
+
+    def _facts(self, meta, n: int):
+        if meta is None:
+            return None
+        if len(meta) != n:
+            raise ValueError(f"gold scorer: {n} prompts but {len(meta)} meta entries")
+        facts = self._synthetic.PostFacts.from_meta
+        return [facts(m["facts"]) if m and "facts" in m else None for m in meta]
 
 
 def gold_scorer_for(data_path: list[str]):

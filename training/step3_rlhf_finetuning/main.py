@@ -3,6 +3,9 @@
 
     deepspeed training/step3_rlhf_finetuning/main.py --actor_model_name_or_path out/sft \\
         --critic_model_name_or_path out/rm --termination_condition fixed --ngram 5 --output_dir out/ppo
+    # the code task (paper B.5): programs run against each problem's tests, no reward model, critic = SFT
+    deepspeed training/step3_rlhf_finetuning/main.py --actor_model_name_or_path out/sft \
+        --data_path synthetic_code --data_split 2,0,8 --reward_source program_tests --output_dir out/ppo-code
 
 Writes <output_dir>/actor (and critic, actor_ema) in Hugging Face format, metrics.jsonl, and
 summary.json comparing the initial (SFT) and final policy on held-out prompts.
@@ -15,11 +18,13 @@ from pathlib import Path
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
-from marlhf.errors import ConfigError, run_cli
+from marlhf.errors import run_cli
+from marlhf.eval.policy import evaluate_policy
 from marlhf.models.loading import load_tokenizer_and_format
+from marlhf.rewards import build_reward_source, evaluation_sources, require_meta
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
-from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
-from marlhf.rlhf.trainer import MAPPOTrainer, evaluate_policy
+from marlhf.rlhf.tasks import ptx_items
+from marlhf.rlhf.trainer import MAPPOTrainer
 from marlhf.utils import dist
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -36,18 +41,21 @@ def main(argv=None):
     args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
     check_same_format(fmt, args.critic_model_name_or_path, args.reward_model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=3)
+    if args.reward_source == "program_tests":  # each prompt's unit tests must have come through the cache
+        require_meta(data.train + data.eval, "input_output", "--reward_source program_tests")
     _, total_steps = plan_steps(len(data.train), args.per_device_generation_batch_size, args.generation_batches,
                                 args.num_train_epochs, args.max_steps, what="prompts")
     # 2. actor / reference / critic / reward (+ EMA) engines
     rlhf = build_rlhf_engine(args, tokenizer, total_steps)
-    gold = gold_scorer_for(args.data_path)
-    trainer = MAPPOTrainer(args, rlhf, tokenizer, scorer=gold if args.reward_source == "gold" else None)
-    if args.reward_source == "gold" and gold is None:
-        raise ConfigError("--reward_source gold needs a task with a gold scorer (the synthetic task)")
-    # 3. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps),
-    #    then the final policy
+    # 3. the reward source (reward model, gold scorer or program tests) and what the evaluation reports
+    reward = build_reward_source(args.reward_source, reward_model=rlhf.reward, data_path=args.data_path,
+                                 workers=args.reward_workers)
+    trainer = MAPPOTrainer(args, rlhf, tokenizer, reward=reward)
+    sources = evaluation_sources(args.reward_source, reward, rlhf.reward, args.data_path)
+    # 4. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps, with
+    #    the KL to the reference), then the final policy
     def evaluate():
-        return evaluate_policy(rlhf.actor, rlhf.reward, tokenizer, data.eval, args, gold, ref=rlhf.ref)
+        return evaluate_policy(rlhf.actor, tokenizer, data.eval, args, sources, ref=rlhf.ref)
 
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too
     if initial.exists() and args.resume:
@@ -58,7 +66,7 @@ def main(argv=None):
             initial.write_text(json.dumps(before))
     steps = trainer.train(data.train, ptx_items(args, tokenizer), evaluate=evaluate)
     after = evaluate()
-    # 4. export actor / critic / EMA as Hugging Face folders and write the summary
+    # 5. export actor / critic / EMA as Hugging Face folders and write the summary
     out = Path(args.output_dir)
     export_hf(rlhf.actor, tokenizer, out / "actor", args.actor_zero_stage, conversation=fmt)
     export_hf(rlhf.critic, tokenizer, out / "critic", args.critic_zero_stage, conversation=fmt)

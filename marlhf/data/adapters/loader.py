@@ -9,7 +9,9 @@ Spec grammar (one source; ``--data_path`` may hold several):
                       depth; APPS: problem folders, or ``train/`` and ``test/`` folders of them);
 - ``PATH``            a local file or directory of rows with fields prompt / chosen / rejected (optional);
 - ``synthetic[:k=v,...]``  the project's embedded task (``marlhf.data.synthetic``), e.g.
-                      ``synthetic:seed=7,num_records=500,label_noise=0.1``.
+                      ``synthetic:seed=7,num_records=500,label_noise=0.1``;
+- ``synthetic_code[:k=v,...]``  a generated code task in APPS layout (``marlhf.data.synthetic_code``), e.g.
+                      ``synthetic_code:num_records=200``.
 
 ``load_records`` returns None when the source has no such split (the caller then holds out part of
 train).  Bad rows go through the :class:`BadRowPolicy`; rows dropped by design (WebGPT ties) are counted
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "test")
 SYNTHETIC = "synthetic"
+SYNTHETIC_CODE = "synthetic_code"
 # Test prompts of the synthetic task come from a different seed, so they are not train prompts.
 SYNTHETIC_TEST_SEED_OFFSET = 1_000_003
 
@@ -94,7 +97,7 @@ _GENERIC_STEMS = {"train": ("train",), "test": ("test", "eval", "validation", "v
 
 def available_datasets() -> list[str]:
     """Names accepted as ``--data_path`` entries (besides local paths)."""
-    return sorted(ADAPTERS) + [SYNTHETIC]
+    return sorted(ADAPTERS) + [SYNTHETIC, SYNTHETIC_CODE]
 
 
 def dropped_summary(dropped: Counter) -> str:
@@ -127,6 +130,11 @@ def load_records(
     kind, adapter, rest = parse_spec(spec)
     if kind == SYNTHETIC:
         records = _load_synthetic(rest, split, drops)
+    elif kind == SYNTHETIC_CODE:
+        if split == "test":
+            logger.info("%s: no test split; the caller holds out part of train", spec)
+            return None
+        records = _load_synthetic_code(rest)
     else:
         row_fn = adapter.row_fn if adapter is not None else generic_row
         if row_fn is apps_row:
@@ -156,6 +164,8 @@ def parse_spec(spec: str) -> tuple[str, Adapter | None, str]:
     spec = spec.strip()
     if spec == SYNTHETIC or spec.startswith(SYNTHETIC + ":"):
         return SYNTHETIC, None, spec[len(SYNTHETIC) + 1 :]
+    if spec == SYNTHETIC_CODE or spec.startswith(SYNTHETIC_CODE + ":"):
+        return SYNTHETIC_CODE, None, spec[len(SYNTHETIC_CODE) + 1 :]
     if spec in ADAPTERS:
         return "hub", ADAPTERS[spec], ""
     for name, adapter in ADAPTERS.items():
@@ -333,3 +343,11 @@ def _load_synthetic(options_text: str, split: str, drops: Counter) -> list[Recor
         else:
             records.append(record)
     return records
+
+
+def _load_synthetic_code(options_text: str) -> list[Record]:
+    """The generated code task (train only: the caller holds out part of it for evaluation)."""
+    from marlhf.data import synthetic_code
+
+    options = parse_synthetic_options(options_text, synthetic_code.SyntheticCodeConfig)
+    return synthetic_code.generate(synthetic_code.SyntheticCodeConfig(**options))

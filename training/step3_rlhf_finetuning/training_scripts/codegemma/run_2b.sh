@@ -4,9 +4,10 @@
 # program's pass rate on the problem's tests (pass@1, a compiler signal), as the code task has no reward
 # model.  Macro actions are fixed 10-token n-grams (the released APPS checkpoints are "Fixed10").
 #
-# That reward does not exist yet: it arrives with the evaluation / code-task work (sandboxed execution of
-# generated programs).  Until then this script stops with exit status 3 unless REWARD_SOURCE names another
-# reward: REWARD_SOURCE=reward_model with REWARD_MODEL_PATH=<a code reward model> runs it today.
+# The reward is --reward_source program_tests: each answer's program runs against the problem's unit
+# tests in a sandbox (marlhf/code), reward of B.5: -0.3 + 1.3 x passed/total if it compiles, -0.6 on a
+# runtime error, -1.0 on a compile error.  REWARD_SOURCE=reward_model with REWARD_MODEL_PATH=<a code reward
+# model> scores with a reward model instead.
 #
 #   bash run_2b.sh [OUTPUT] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE]     (one stage given: both use it)
 #
@@ -14,7 +15,8 @@
 #   TASK               apps (the only task of this family)
 #   ACTOR_MODEL_PATH   SFT model (default: step 1's default output ./output/codegemma-2b/apps/step1)
 #   CRITIC_MODEL_PATH  critic initialisation (default: the SFT model, as in B.2)
-#   REWARD_SOURCE      program_tests (default; not available yet) | reward_model
+#   REWARD_SOURCE      program_tests (default) | reward_model
+#   REWARD_WORKERS     program_tests: parallel test processes per GPU rank (default 1)
 #   REWARD_MODEL_PATH  the reward model when REWARD_SOURCE=reward_model
 #   TERMINATION        macro-action rule: fixed (default) | randomized | ppl | parsing | word
 #   NGRAM              n of the fixed rule (default 10; 1 = vanilla PPO, inf = one action per answer)

@@ -1,0 +1,67 @@
+"""Held-out evaluation of a policy: its answers to evaluation prompts, sampled with the training settings
+under a fixed seed, scored by every reward source given (reward model, gold scorer, program tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from marlhf.data.pipeline import PromptCollator, ResumableSampler, make_loader
+from marlhf.generation import GenerationConfig, decode_samples, sample
+from marlhf.models.loading import stop_token_ids
+from marlhf.rewards import score_samples
+from marlhf.rlhf.rollout import policy_logprobs
+from marlhf.utils import dist
+
+
+def _fields(name: str, source) -> dict[str, str]:
+    """Output key -> the source's detail field: ``<name>_score`` for the total, then ``<name>_<component>`` for
+    each component of a source that explains itself (``components`` + ``details``, e.g. the gold scorer)."""
+    parts = tuple(getattr(source, "components", ())) if hasattr(source, "details") else ()
+    return {f"{name}_score": "total"} | {f"{name}_{k}": k for k in parts}
+
+
+@torch.no_grad()
+def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, seed: int = 0, ref=None) -> dict:
+    """Mean answer length and EOS rate, and the mean score of each reward source in ``sources`` (name ->
+    source, e.g. ``{"rm": ..., "gold": ...}`` gives ``rm_score``, ``gold_score`` and the gold components) of
+    the actor's answers to held-out prompts, sampled with the training settings under a fixed seed that
+    leaves the training RNG untouched.  Each prompt's record meta goes to the sources, as in training.
+    With ``ref``: ``kl``, the mean over answers of Σ_t log π(a_t|s_t) − log π_ref(a_t|s_t)."""
+    stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
+    pad = tokenizer.pad_token_id
+    gen_cfg = GenerationConfig.from_args(args, stop_ids, pad)
+    loader = make_loader(prompts, args.per_device_generation_batch_size,
+                         ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
+    dev = dist.device()
+    fields = {name: _fields(name, src) for name, src in sources.items()}
+    keys = ("response_len", "eos_rate") + tuple(k for f in fields.values() for k in f)
+    keys += ("kl",) if ref is not None else ()
+    totals = torch.zeros(len(keys) + 1, dtype=torch.float64)  # sums of `keys`, then the count
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + dist.rank())
+        for batch in loader:
+            p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
+            out = sample(actor, p_ids, p_mask, gen_cfg, zero3_generation=args.zero3_generation)
+            sums = [out.answer_mask.sum().item(), out.ended.sum().item()]
+            for name, src in sources.items():
+                if len(fields[name]) > 1:  # a source that explains itself: the components next to the total
+                    prompts_text, answers = decode_samples(tokenizer, out)
+                    rows = src.details(prompts_text, answers, out.ended.tolist(), batch["meta"])
+                    sums += [sum(r[field] for r in rows) for field in fields[name].values()]
+                else:
+                    sums.append(score_samples(src, tokenizer, out, batch["meta"]).sum().item())
+            if ref is not None:
+                lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width)
+                lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width)
+                sums.append(torch.where(out.answer_mask, lp - lp_ref, 0.0).sum().item())
+            totals += torch.tensor(sums + [out.seq.shape[0]], dtype=torch.float64)
+    if dist.world_size() > 1:
+        import torch.distributed as tdist
+
+        t = totals.to(dev)
+        tdist.all_reduce(t)
+        totals = t.cpu()
+    n = totals[-1].clamp(min=1).item()
+    result = {k: totals[i].item() / n for i, k in enumerate(keys)}
+    result["num_prompts"] = n
+    return result

@@ -1,0 +1,137 @@
+"""Reward sources: one interface, ``score(prompts, responses, meta) -> scores``, behind ``--reward_source``.
+
+    reward_model   the step-2 reward model (step 3: the frozen reward engine)    :class:`RewardModelSource`
+    gold           the embedded task's gold scorer (facts from ``meta``)         :class:`~.rlhf.tasks.GoldScorer`
+    program_tests  generated programs run against the problem's unit tests      :class:`~.ProgramTestReward`
+                   in a sandbox (paper App. B.5; :mod:`marlhf.code.reward`)
+
+``meta`` is each prompt's ``Record.meta`` (JSON-able: APPS tests, the synthetic task's facts), carried from
+the dataset through the tokenized cache and the prompt collator, so no scorer re-parses facts out of text.
+``ended`` (keyword) says which answers stopped at an end token, for scorers that penalise cut answers.
+
+A reward model scores token sequences: in step 3 it reads the generated sequences exactly as sampled
+(:meth:`RewardModelSource.score_sequences`, chosen by :func:`score_samples`) rather than re-tokenizing text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from marlhf.generation import Samples, decode_samples
+
+REWARD_SOURCES = ("reward_model", "gold", "program_tests")
+
+@runtime_checkable
+class RewardSource(Protocol):
+    def score(self, prompts: Sequence[str], responses: Sequence[str], meta: Sequence[dict], *,
+              ended: Sequence[bool] | None = None) -> list[float]:
+        """One score per response (``meta[i]`` belongs to ``prompts[i]``)."""
+        ...
+
+
+@runtime_checkable
+class SequenceScorer(Protocol):
+    """A reward source that can score token sequences directly (a reward model)."""
+
+    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class RewardModelSource:
+    """Reward source ``reward_model``: a value model's head at the last real token of prompt + response.
+
+    ``model``: a Hugging Face value model or a (frozen) DeepSpeed engine around one.  For text callers,
+    ``tokenizer`` and the step-2 format (end token, prompt format, length) say how to tokenize."""
+
+    def __init__(self, model, tokenizer=None, eot: str = "", prompt_format: str = "raw", max_seq_len: int = 1024,
+                 batch_size: int = 16):
+        self.model, self.tokenizer = model, tokenizer
+        self.eot, self.prompt_format, self.max_seq_len, self.batch_size = eot, prompt_format, max_seq_len, batch_size
+
+    @torch.no_grad()
+    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) scores of already-tokenized sequences (left- or right-padded)."""
+        from marlhf.models.loading import sequence_scores
+
+        return sequence_scores(self.model, seq, attention_mask)
+
+    def score(self, prompts, responses, meta=None, *, ended=None) -> list[float]:
+        """Scores of prompt + response + end token, tokenized as step 2 tokenizes them."""
+        if self.tokenizer is None:
+            raise ValueError("this reward model source scores token sequences only (built without a tokenizer)")
+        from marlhf.eval.reward import score_texts
+
+        return score_texts(self.model, self.tokenizer, prompts, responses, eot=self.eot,
+                           prompt_format=self.prompt_format, max_seq_len=self.max_seq_len,
+                           batch_size=self.batch_size)
+
+
+def metas_for(meta: Sequence[dict] | None, n: int) -> list[dict]:
+    """``meta`` as a list of ``n`` dicts (empty ones when the data carries none)."""
+    if meta is None:
+        return [{} for _ in range(n)]
+    meta = list(meta)
+    if len(meta) != n:
+        raise ValueError(f"{n} samples but {len(meta)} meta entries")
+    return meta
+
+
+def score_samples(source, tokenizer, s: Samples, meta: Sequence[dict] | None = None) -> torch.Tensor:
+    """(N,) float32 scores of sampled answers: a :class:`SequenceScorer` reads the generated sequences as they
+    are; any other source gets the decoded prompts and answers, ``meta`` and the end flags."""
+    if isinstance(source, SequenceScorer):
+        return source.score_sequences(s.seq, s.attention_mask).float()
+    prompts, responses = decode_samples(tokenizer, s)
+    scores = source.score(prompts, responses, metas_for(meta, len(responses)), ended=s.ended.tolist())
+    return torch.tensor(scores, dtype=torch.float32, device=s.seq.device)
+
+
+def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: int = 1):
+    """The ``--reward_source`` of step 3: ``reward_model`` (the frozen reward engine), ``gold`` (needs the
+    embedded task) or ``program_tests`` (the sandboxed unit tests in each record's meta)."""
+    from marlhf.errors import ConfigError
+
+    if name in ("reward_model", "rm"):
+        if reward_model is None:
+            raise ConfigError("--reward_source reward_model needs a reward model (--critic_model_name_or_path or "
+                              "--reward_model_name_or_path)")
+        return RewardModelSource(reward_model)
+    if name == "gold":
+        from marlhf.rlhf.tasks import gold_scorer_for
+
+        gold = gold_scorer_for(list(data_path))
+        if gold is None:
+            raise ConfigError("--reward_source gold needs a task with a gold scorer (the synthetic task)")
+        return gold
+    if name == "program_tests":
+        from marlhf.code.reward import ProgramTestReward
+
+        return ProgramTestReward(workers=workers)
+    raise ValueError(f"unknown reward source {name!r}; choose from {', '.join(REWARD_SOURCES)}")
+
+
+def require_meta(items: list[dict], key: str, what: str) -> None:
+    """Every prompt example carries ``meta[key]`` (e.g. the unit tests ``input_output``), else a clear error."""
+    from marlhf.errors import ConfigError
+
+    missing = sum(1 for it in items if not (it.get("meta") or {}).get(key))
+    if missing:
+        raise ConfigError(f"{what}: {missing} of {len(items)} prompts have no '{key}' in their record meta "
+                          f"(an APPS-style dataset keeps each problem's tests there: codeparrot/apps or "
+                          f"synthetic_code)")
+
+
+def evaluation_sources(reward_source: str, reward, reward_model=None, data_path=()) -> dict:
+    """What step 3's held-out evaluation reports (name -> source): the reward model's score when there is
+    one, the gold score on the embedded task, and the training reward when it is the program tests."""
+    from marlhf.rlhf.tasks import gold_scorer_for
+
+    sources = {"rm": RewardModelSource(reward_model)} if reward_model is not None else {}
+    if (gold := gold_scorer_for(list(data_path))) is not None:
+        sources["gold"] = gold
+    if reward_source == "program_tests":
+        sources["program"] = reward
+    return sources

@@ -1,0 +1,153 @@
+"""Rollout: one prompt batch → an :class:`Experience`, everything the PPO update needs (paper Algorithm 1).
+
+    sample answers (:func:`marlhf.generation.sample`)
+    → one forward each of actor, reference and critic on the full sequences        (:func:`forwards`)
+    → the sequence score of each answer (the reward source)
+    → per-token rewards: −β·(log π − log π_ref), plus the clipped score on the last real answer token
+    → termination rule → segment ids → macro advantages and returns                (:func:`macro_advantages`)
+
+The advantage estimate is one function (:func:`macro_advantages`) so that other estimators plug in there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from marlhf.generation import GenerationConfig, Samples, sample
+from marlhf.models.loading import position_ids_from_mask, token_values
+from marlhf.rlhf.ppo_math import compute_advantages, token_rewards
+
+
+@dataclass
+class Experience:
+    """One generation batch, everything the PPO update needs.  P = prompt width, A = answer width."""
+
+    seq: torch.Tensor  # (B, P+A) prompt (left-padded) + answer (right-padded)
+    attention_mask: torch.Tensor  # (B, P+A)
+    prompt_width: int  # P
+    mask: torch.Tensor  # (B, A) bool, real answer tokens used in the loss (EOS included)
+    logprobs: torch.Tensor  # (B, A) actor log π_old(a_t | s_t)
+    ref_logprobs: torch.Tensor  # (B, A) reference log π_ref
+    values: torch.Tensor  # (B, A) critic V(s_t)
+    scores: torch.Tensor  # (B,) sequence score (the reward source's)
+    rewards: torch.Tensor  # (B, A) per-token rewards (KL penalty + score on the last token)
+    seg: torch.Tensor  # (B, A) macro-action segment ids, -1 on padding
+    advantages: torch.Tensor  # (B, A) macro advantages broadcast to tokens
+    returns: torch.Tensor  # (B, A) macro returns (Q) broadcast to tokens
+
+    def split(self, size: int) -> list[Experience]:
+        """Micro-batches of ``size`` samples (the tensors' batch dimension is sliced)."""
+        B = self.seq.shape[0]
+        out = []
+        for i in range(0, B, size):
+            kw = {f.name: getattr(self, f.name) for f in fields(self)}
+            out.append(Experience(**{k: v[i:i + size] if torch.is_tensor(v) else v for k, v in kw.items()}))
+        return out
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The step-3 flags a rollout reads (reward shaping, advantage estimate, ZeRO-3 generation)."""
+
+    kl_ctl: float
+    clip_reward_value: float | None
+    value_function: str = "equal"
+    macro_reward: str = "sum"
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = False
+    zero3_generation: str = "gather"
+
+    @classmethod
+    def from_args(cls, args) -> RolloutSettings:
+        return cls(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value,
+                   value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
+                   lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation)
+
+
+def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
+    """log π(a_t | s_t) of the answer tokens from full-sequence logits (B, P+A, V) → (B, A)."""
+    logits = logits[:, P - 1:-1].float()  # position t predicts token t+1
+    tokens = seq[:, P:]
+    return logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def forward_logits(model, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits of a left-padded batch (positions counted from each row's first real token)."""
+    return model(input_ids=seq, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                 use_cache=False).logits
+
+
+def policy_logprobs(model, seq: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
+    """(B, A) log-probs of the answer tokens under ``model``."""
+    return answer_logprobs(forward_logits(model, seq, attention_mask), seq, P)
+
+
+def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
+    """(B, A) V(s_t) for each answer token t: the critic's head where it has seen the prompt and tokens < t."""
+    return token_values(critic, seq, attention_mask)[:, P - 1:-1]
+
+
+def forwards(actor, ref, critic, s: Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward each of actor, reference and critic: (log π_old, log π_ref, V), each (B, A)."""
+    P, seq, attn = s.prompt_width, s.seq, s.attention_mask
+    return (policy_logprobs(actor, seq, attn, P), policy_logprobs(ref, seq, attn, P),
+            critic_values(critic, seq, attn, P))
+
+
+def macro_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor,
+                     values: torch.Tensor, rewards: torch.Tensor, settings: RolloutSettings, step: int,
+                     batch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, int]:
+    """Termination rule → segment ids → macro GAE (paper §3.2.2): (seg, advantages, returns, statistics,
+    parse fallbacks), token tensors (B, A)."""
+    seg, fallbacks = segmenter(answer, mask, ref_logprobs, step, batch)
+    advantages, returns, stats = compute_advantages(values, rewards, mask, seg, settings.value_function,
+                                                    settings.macro_reward, settings.gamma, settings.lam,
+                                                    settings.whiten_advantages)
+    return seg, advantages, returns, stats, fallbacks
+
+
+@torch.no_grad()
+def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor], segmenter,
+                    gen_cfg: GenerationConfig, settings: RolloutSettings, prompt_ids: torch.Tensor,
+                    prompt_mask: torch.Tensor, step: int, batch: int = 0) -> tuple[Experience, dict]:
+    """Generate, score and segment answers to one prompt batch (``batch``: its index in the step).
+
+    ``score``: the samples → (B,) sequence scores (the reward source).  Empty and one-token answers are
+    masked out of the loss and counted (``invalid_answers``)."""
+    t0 = time.time()
+    out = sample(actor, prompt_ids, prompt_mask, gen_cfg, zero3_generation=settings.zero3_generation)
+    gen_time = time.time() - t0
+    mask, ended, answer = out.answer_mask, out.ended, out.answers
+    length = mask.sum(dim=1)
+    content = length - ended.long()  # tokens before the stop token
+    valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
+
+    logprobs, ref_logprobs, values = forwards(actor, ref, critic, out)
+    scores = score(out)
+
+    loss_mask = mask & valid[:, None]
+    rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, settings.kl_ctl, settings.clip_reward_value)
+    t1 = time.time()
+    seg, advantages, returns, mstats, fallbacks = macro_advantages(segmenter, answer, loss_mask, ref_logprobs,
+                                                                   values, rewards, settings, step, batch)
+    macro_time = time.time() - t1
+    exp = Experience(out.seq, out.attention_mask, out.prompt_width, loss_mask, logprobs, ref_logprobs, values,
+                     scores, rewards, seg, advantages, returns)
+    kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
+    n_valid = valid.sum().clamp(min=1)
+    stats = {"reward": scores.mean().item(),
+             "reward_valid": (scores * valid).sum().item() / n_valid.item(),
+             "kl": (kl.sum() / n_valid).item(),
+             "return": returns[:, 0].mean().item() if returns.shape[1] else 0.0,
+             "response_len": length.float().mean().item(),
+             "eos_rate": ended.float().mean().item(),
+             "invalid_answers": float((~valid).sum().item()),
+             "parse_fallbacks": float(fallbacks),
+             "gen_seconds": gen_time, "macro_seconds": macro_time,
+             **{k: float(v) for k, v in mstats.items()}}
+    return exp, stats

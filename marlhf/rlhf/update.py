@@ -1,0 +1,84 @@
+"""The PPO update: ``--ppo_epochs`` passes of clipped policy and value loss (+ ptx) over collected experience.
+
+Losses are the pure functions of :mod:`marlhf.rlhf.ppo_math`; how each micro-batch's loss is weighted so an
+optimizer step is a token mean over all its micro-batches on all ranks is :mod:`marlhf.utils.optim_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from marlhf.rlhf.ppo_math import policy_loss, value_loss
+from marlhf.rlhf.rollout import Experience, critic_values, policy_logprobs
+from marlhf.utils.optim_step import StepGuard, loss_multipliers
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The step-3 flags the update reads."""
+
+    ppo_epochs: int = 1
+    micro_batch: int = 8  # --per_device_training_batch_size
+    gradient_accumulation_steps: int = 1
+    loss_aggregation: str = "token_mean"
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    policy_ratio: str = "token"
+    unsup_coef: float = 27.8
+
+    @classmethod
+    def from_args(cls, args) -> UpdateSettings:
+        return cls(ppo_epochs=args.ppo_epochs, micro_batch=args.per_device_training_batch_size,
+                   gradient_accumulation_steps=args.gradient_accumulation_steps,
+                   loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
+                   cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef)
+
+
+def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSettings,
+               ptx_batches: Iterator[dict] | None = None) -> dict:
+    """``ppo_epochs`` passes over the experience in micro-batches of ``micro_batch``; mean statistics.
+
+    Every loss is a token mean over the whole optimizer step by default (``--loss_aggregation``,
+    :mod:`marlhf.utils.optim_step`): the real tokens of each accumulation window are counted on all
+    ranks before the first backward. The actor steps on the policy loss and, with ptx, once more on the
+    ptx loss (DeepSpeed-Chat's order), so with ptx its micro-steps alternate policy / ptx."""
+    s = settings
+    G = s.gradient_accumulation_steps
+    plan = [mb for _ in range(s.ppo_epochs) for exp in exps for mb in exp.split(s.micro_batch)]
+    ptx = [next(ptx_batches) for _ in plan] if ptx_batches is not None else None
+    per_actor = 2 if ptx is not None else 1  # actor micro-steps per micro-batch
+    tokens = [int(mb.mask.sum()) for mb in plan]
+    pl_mult = loss_multipliers(tokens, [per_actor * i // G for i in range(len(plan))], G, s.loss_aggregation)
+    vl_mult = loss_multipliers(tokens, [i // G for i in range(len(plan))], G, s.loss_aggregation)
+    if ptx is not None:
+        ptx_tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in ptx]
+        ptx_mult = loss_multipliers(ptx_tokens, [(2 * i + 1) // G for i in range(len(plan))], G,
+                                    s.loss_aggregation)
+    totals: dict[str, float] = {}
+    for i, mb in enumerate(plan):
+        if i % G == 0:
+            dropped_before = guard.dropped  # the critic's window starts
+        P = mb.prompt_width
+        logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P)
+        pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, s.cliprange,
+                                 seg=mb.seg, ratio=s.policy_ratio)
+        guard.backward(actor, pl * pl_mult[i], "actor loss")
+        guard.step(actor)
+        values = critic_values(critic, mb.seq, mb.attention_mask, P)
+        vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, s.cliprange_value)
+        # an actor update dropped in this window (non-finite advantages, any rank) drops the critic's too:
+        # the step then skips that data as a whole
+        actor_dropped = i % G == G - 1 and guard.dropped > dropped_before
+        guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
+        guard.step(critic)
+        stats = {"actor_loss": pl.item(), "critic_loss": vl.item(),
+                 **{k: float(v) for k, v in {**pstats, **vstats}.items()}}
+        if ptx is not None:
+            out = actor(**ptx[i], use_cache=False).loss
+            guard.backward(actor, s.unsup_coef * out * ptx_mult[i], "ptx loss")
+            guard.step(actor)
+            stats["ptx_loss"] = out.item()
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return {k: v / max(len(plan), 1) for k, v in totals.items()}

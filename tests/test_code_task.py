@@ -1,0 +1,121 @@
+"""The code task in step 3 (paper §4.4, B.5): the generated ``synthetic_code`` problems in APPS layout, and
+MA-PPO with ``--reward_source program_tests`` end to end on the nano model — no reward model, the critic
+initialised from the actor, every score one of the B.5 values of its verdict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import STEP3, load_main
+
+from marlhf.code.reward import ProgramTestReward, run_responses
+from marlhf.data.adapters import load_records
+from marlhf.data.synthetic_code import SyntheticCodeConfig, generate
+from marlhf.utils.tracking import read_metrics
+
+DATA = "synthetic_code:num_records=48"
+
+
+def b5_values(total: int) -> set[float]:
+    """Every reward of App. B.5 for a problem with ``total`` tests."""
+    return {-1.0, -0.6} | {round(-0.3 + 1.3 * k / total, 6) for k in range(total + 1)}
+
+
+def test_generated_problems_have_runnable_tests_in_apps_layout():
+    records = load_records(DATA)
+    assert records == generate(SyntheticCodeConfig(num_records=48))  # deterministic
+    assert load_records(DATA, split="test") is None  # the caller holds out part of train
+    call = [r for r in records if r.meta["fn_name"]]
+    stdin = [r for r in records if not r.meta["fn_name"]]
+    assert call and stdin
+    for r in records:
+        io = r.meta["input_output"]
+        assert len(io["inputs"]) == len(io["outputs"]) == 4 and r.meta["difficulty"] == "introductory"
+        assert r.prompt.startswith("\nQUESTION:\n") and r.prompt.endswith("\nANSWER:\n")
+        assert ("Use Call-Based format" in r.prompt) == bool(r.meta["fn_name"])
+        assert json.loads(json.dumps(r.meta)) == r.meta
+    reward = ProgramTestReward(workers=2)
+    prompts, meta = [r.prompt for r in records], [r.meta for r in records]
+    assert reward.score(prompts, [r.chosen for r in records], meta) == [1.0] * len(records)
+    wrong = reward.score(prompts, [r.rejected for r in records], meta)
+    assert all(w < 1.0 for w in wrong) and {round(w, 6) for w in wrong} <= b5_values(4)
+
+
+def test_each_verdict_gets_its_b5_reward():
+    r = next(x for x in generate(SyntheticCodeConfig(num_records=20)) if not x.meta["fn_name"])
+    answers = {
+        "pass": f"```python\n{r.chosen}```",  # the code block of a chatty answer is what runs
+        "wrong": "print(0)\n",
+        "runtime": "x = int(input())\nprint(x // 0)\n",
+        "compile": "def (:\n",
+        "empty": "",
+    }
+    results = run_responses(list(answers.values()), [r.meta] * len(answers))
+    got = {k: (res.verdict, res.reward) for k, res in zip(answers, results)}
+    assert got["pass"] == ("pass", 1.0)
+    assert got["wrong"][1] == pytest.approx(-0.3) and got["empty"][1] == pytest.approx(-0.3)
+    assert got["runtime"] == ("runtime_error", -0.6)
+    assert got["compile"] == ("compile_error", -1.0)
+
+
+@pytest.fixture(scope="module")
+def code_run(tmp_path_factory):
+    from marlhf import embedded
+
+    nano = embedded.prepare(size="nano").model_dir
+    out = tmp_path_factory.mktemp("code_ppo")
+    # no critic, no reward model: the critic starts from the actor, the reward is the program tests
+    load_main(STEP3)(["--actor_model_name_or_path", str(nano), "--data_path", DATA,
+                      "--data_output_path", str(out / "data"), "--output_dir", str(out), "--data_split", "2,0,8",
+                      "--reward_source", "program_tests", "--reward_workers", "2", "--max_prompt_seq_len", "128",
+                      "--max_answer_seq_len", "16", "--per_device_generation_batch_size", "4",
+                      "--per_device_training_batch_size", "4", "--max_steps", "3", "--max_eval_samples", "4",
+                      "--termination_condition", "parsing", "--ngram", "3", "--disable_progress_bar",
+                      "--seed", "3", "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3"])
+    return out, nano
+
+
+def test_step3_with_program_tests_runs_end_to_end(code_run):
+    out, nano = code_run
+    rows = [m for m in read_metrics(out) if "train/actor_loss" in m]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("train/actor_loss", "train/critic_loss", "train/kl"):
+            assert torch.isfinite(torch.tensor(r[key])), key
+        # the batch mean of 4 B.5 rewards (the untrained model writes garbage: mostly -1.0)
+        assert -1.0 <= r["train/reward"] <= 1.0
+        assert any(abs(4 * r["train/reward"] - sum(c)) < 1e-5
+                   for c in _combinations(sorted(b5_values(4)), 4)), r["train/reward"]
+    summary = json.loads((out / "summary.json").read_text())
+    for policy in ("initial_policy", "final_policy"):
+        assert {"program_score", "response_len", "eos_rate"} <= summary[policy].keys()
+        assert "rm_score" not in summary[policy] and "gold_score" not in summary[policy]
+        assert -1.0 <= summary[policy]["program_score"] <= 1.0
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    critic = AutoModelForSequenceClassification.from_pretrained(out / "critic").state_dict()
+    actor_init = AutoModelForCausalLM.from_pretrained(nano).state_dict()
+    # the critic's body started from the actor's (SFT) model: 3 Adam steps of lr 1e-3 move each weight by
+    # at most ~3e-3, far less than the ~0.02 spread of a fresh initialisation; its value head is new
+    assert critic["score.weight"].shape[0] == 1
+    for key in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert (critic[key] - actor_init[key]).abs().max() < 5e-3, key
+
+
+def _combinations(values, k):
+    import itertools
+
+    return itertools.combinations_with_replacement(values, k)
+
+
+def test_program_tests_need_tests_in_meta(tmp_path):
+    from marlhf import embedded
+    from marlhf.errors import ConfigError
+
+    nano = embedded.prepare(size="nano").model_dir
+    with pytest.raises(ConfigError, match="have no 'input_output' in their record meta"):
+        load_main(STEP3)(["--actor_model_name_or_path", str(nano), "--data_path", "synthetic:num_records=100",
+                          "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path),
+                          "--reward_source", "program_tests", "--max_steps", "1", "--disable_progress_bar"])
