@@ -25,48 +25,8 @@ import logging
 import sys
 from pathlib import Path
 
-from marlhf.config import BaseArgs
-from marlhf.errors import ConfigError, run_cli
-from marlhf.eval.generate import LoadedPolicy, generate_file, prompts_from_dataset, prompts_from_file
-from marlhf.utils.model_card import STEP3_MODELS
-
-
-def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.0) -> None:
-    """The policy and sampling flags the generation tools share."""
-    p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
-    p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--max_prompt_len", type=int, default=256, help="Longer prompts keep their most recent turns")
-    if temperature is not None:
-        p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--top_k", type=int, default=0, help="0: off")
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
-    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
-    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
-
-
-def add_prompt_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", default=None, help="json/jsonl/parquet file with a 'prompt' per row")
-    src.add_argument("--data_path", nargs="+", default=None, help="Dataset specs as in training")
-    p.add_argument("--split", default="eval", choices=("eval", "train"), help="With --data_path: which prompts")
-    p.add_argument("--data_split", default=BaseArgs.data_split)
-    p.add_argument("--data_seed", type=int, default=BaseArgs.seed, help="The training run's --seed (data split)")
-    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
-    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
-    p.add_argument("--max_prompts", type=int, default=0, help="Use the first N prompts (0: all)")
-
-
-def load_prompts(args) -> list:
-    if args.prompts:
-        prompts = prompts_from_file(args.prompts)
-    else:
-        prompts = prompts_from_dataset(args.data_path, args.split, data_split=args.data_split, seed=args.data_seed,
-                                       eval_fraction=args.eval_fraction, bad_rows=args.bad_rows)
-    if args.max_prompts < 0:
-        raise ConfigError(f"--max_prompts must be >= 0, got {args.max_prompts}")
-    return prompts[:args.max_prompts] if args.max_prompts else prompts
+from marlhf.errors import run_cli
+from marlhf.eval.generate import LoadedPolicy, add_prompt_args, add_sampling_args, generate_file, load_prompts
 
 
 def parse_args(argv=None):

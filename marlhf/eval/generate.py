@@ -15,6 +15,7 @@ with other settings is refused rather than silently mixing two distributions in 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -260,3 +261,47 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
             pause_point("generate", b)  # (tests) batch b is on disk; a test may SIGKILL the run here
     log.info("wrote %d rows to %s (%d in the file)", written, output, len(prompts) * num_samples)
     return written
+
+
+# ------------------------------------------------------------------------------------ the tools' flags
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.0) -> None:
+    """The policy and sampling flags the generation tools share."""
+    from marlhf.utils.model_card import STEP3_MODELS
+
+    p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
+    p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--max_prompt_len", type=int, default=256, help="Longer prompts keep their most recent turns")
+    if temperature is not None:
+        p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top_k", type=int, default=0, help="0: off")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
+    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
+    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """``--prompts FILE`` or ``--data_path SPEC… --split`` with the training run's split flags."""
+    from marlhf.config import BaseArgs
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", default=None, help="json/jsonl/parquet file with a 'prompt' per row")
+    src.add_argument("--data_path", nargs="+", default=None, help="Dataset specs as in training")
+    p.add_argument("--split", default="eval", choices=("eval", "train"), help="With --data_path: which prompts")
+    p.add_argument("--data_split", default=BaseArgs.data_split)
+    p.add_argument("--data_seed", type=int, default=BaseArgs.seed, help="The training run's --seed (data split)")
+    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
+    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
+    p.add_argument("--max_prompts", type=int, default=0, help="Use the first N prompts (0: all)")
+
+
+def load_prompts(args) -> list[Prompt]:
+    if args.prompts:
+        prompts = prompts_from_file(args.prompts)
+    else:
+        prompts = prompts_from_dataset(args.data_path, args.split, data_split=args.data_split, seed=args.data_seed,
+                                       eval_fraction=args.eval_fraction, bad_rows=args.bad_rows)
+    if args.max_prompts < 0:
+        raise ConfigError(f"--max_prompts must be >= 0, got {args.max_prompts}")
+    return prompts[:args.max_prompts] if args.max_prompts else prompts
