@@ -162,3 +162,20 @@ def test_lora_zero3_checkpoint_exports_the_trained_model(embedded, tmp_path):
     # a folder without checkpoints is a one-line user error
     assert run_cli(load_main(EXPORT), ["--input", str(dest), "--from_checkpoint",
                                        "--output_dir", str(tmp_path / "x")]) == 1
+
+
+def test_checkpoint_without_full_weights_is_a_clear_error(tmp_path, capsys):
+    """A ZeRO-partitioned engine with no optimizer partitions (a frozen EMA) cannot be merged: one-line error."""
+    step = tmp_path / "run" / "checkpoints" / "step00000003"
+    (step / "ema").mkdir(parents=True)
+    (step / "ema" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (step / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step00000003")
+    (tmp_path / "run" / "args.json").write_text(json.dumps({"actor_model_name_or_path": ""}))
+    argv = ["--input", str(tmp_path / "run"), "--from_checkpoint", "--model", "actor_ema",
+            "--output_dir", str(tmp_path / "o")]
+    assert run_cli(load_main(EXPORT), argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without optimizer states" in err[0], err
+    assert run_cli(load_main(EXPORT), [*argv[:3], "--model", "critic", *argv[5:]]) == 1
+    assert "no 'critic' engine checkpoint (it has ema)" in capsys.readouterr().err

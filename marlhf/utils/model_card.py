@@ -219,6 +219,10 @@ def checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(engine_dir.parent), tag=engine_dir.name))
+    if any(engine_dir.glob("zero_pp_rank_*")):  # partitioned, but no optimizer partitions to merge
+        raise ConfigError(f"{engine_dir}: ZeRO-partitioned weights without optimizer states (a frozen engine such "
+                          f"as the EMA under ZeRO-3): the checkpoint does not hold its full weights; export the "
+                          f"run's exported folder instead")
     files = sorted(engine_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ConfigError(f"{engine_dir}: no mp_rank_*_model_states.pt")
@@ -234,6 +238,7 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
     if not args and not base_model:
         raise ConfigError(f"{src.run_dir}: no args.json beside the checkpoint; give --base_model (the model the "
                           f"run started from)")
+    state = checkpoint_state_dict(src.model_dir)  # first: a checkpoint that cannot be read fails before any load
     is_value = src.role in ("reward model", "critic")
     key = ("critic_model_name_or_path" if is_value else "actor_model_name_or_path") if src.step == 3 \
         else "model_name_or_path"
@@ -255,7 +260,6 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
         lora_dim, modules = args.get("lora_dim", 0), args.get("lora_module_name", "")
     if lora_dim and src.role != "actor_ema":  # the EMA tracks the full weights (no LoRA)
         model = apply_lora(model, lora_dim, modules, True, task="SEQ_CLS" if is_value else "CAUSAL_LM")
-    state = checkpoint_state_dict(src.model_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n in missing if n.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)}
     absent = sorted(set(missing) - tied)
