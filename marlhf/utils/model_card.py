@@ -189,7 +189,7 @@ def locate_checkpoint(folder: str | Path, model: str = "actor") -> StepOutput:
         engine_dir = folder
     elif (folder / "trainer_state.json").is_file():
         engines = sorted(d.name for d in folder.iterdir() if d.is_dir() and any(d.glob("*model_states.pt")))
-        if len(engines) > 1 or ENGINE_OF.get(model) in engines:  # step 3: actor, critic (, ema)
+        if set(engines) & set(ENGINE_OF.values()):  # step 3: actor, critic (, ema)
             if ENGINE_OF[model] not in engines:
                 raise ConfigError(f"{folder} has no {model!r} engine checkpoint (it has {', '.join(engines)})")
             engine_dir = folder / ENGINE_OF[model]
