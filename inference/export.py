@@ -4,11 +4,18 @@
     python inference/export.py --input out/sft --output_dir release/sft
     python inference/export.py --input out/ppo --model actor --output_dir release/ma-ppo   # step 3
     python inference/export.py --input out/sft/lora_adapter --output_dir release/sft-merged  # merge LoRA
+    python inference/export.py --input out/ppo --from_checkpoint --output_dir release/ppo-ckpt  # a stopped run
 
 The result holds safetensors weights, a config with ``use_cache: true``, the tokenizer, a generation config
 that stops at the end-of-conversation token the model was trained with, ``conversation_format.json``, and a
 README.md naming the base model, data, step, flags (the run's args.json) and final metrics (metrics.jsonl).
 Logs, TensorBoard events and DeepSpeed checkpoints stay behind.
+
+``--from_checkpoint`` exports the weights of a DeepSpeed checkpoint instead (a run stopped before its export):
+``--input`` is the step's --output_dir (its latest checkpoint), its ``checkpoints/`` folder or one
+``checkpoints/stepNNNNNNNN`` folder.  ZeRO-1/2/3 partitions of any number of ranks are merged with DeepSpeed's
+zero_to_fp32 (the fp32 master weights); the model is rebuilt from the run's args.json (base model, end token,
+added tokens, LoRA rank and modules) and LoRA is merged.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "fp16", "bf16"),
                    help="Weights' dtype (auto: as stored)")
     p.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output_dir")
+    p.add_argument("--from_checkpoint", action="store_true",
+                   help="Export the (latest) DeepSpeed checkpoint's weights instead of the exported model")
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
     return p.parse_args(argv)
 
@@ -37,7 +46,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    out = export_step_output(args.input, args.output_dir, args.model, args.base_model, args.dtype, args.overwrite)
+    out = export_step_output(args.input, args.output_dir, args.model, args.base_model, args.dtype, args.overwrite,
+                             args.from_checkpoint)
     print(out)
     return 0
 

@@ -10,6 +10,12 @@ The task folder (``applications/<task>/``) gives the judge prompt and post-proce
 pair is shown in a random order fixed by ``--seed`` (recorded per pair in ``--output`` and undone);
 answers are cached under ``--cache_dir`` so a rerun sends no request twice.  Prints the summary (wins,
 ties, losses of A with 95% intervals, unparseable answers, failed requests) as JSON.
+
+A local judge goes through the same comparison (order randomised, recorded, undone) without any endpoint:
+``--judge reward_model --reward_model out/step2`` (the higher reward-model score wins) or ``--judge gold``
+(the embedded task's gold scorer; it sees the answer text only, not whether generation ended):
+
+    python inference/judge.py --task summarization --a ppo.jsonl --b sft.jsonl --judge gold
 """
 
 import argparse
@@ -20,30 +26,56 @@ import sys
 from pathlib import Path
 
 from marlhf.applications import load_application
+from marlhf.data.records import DataError
+from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.judge import ChatCompletionsJudge, compare_policies, summarize
 
 
-def read_pairs(path_a: str, path_b: str) -> list[tuple[str, str, str]]:
-    def rows(path):
-        out = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    out.append((line_no, row["prompt"], row["response"]))
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise SystemExit(f"{path}: row {line_no}: needs fields 'prompt' and 'response' ({err})") from None
-        return out
+def read_responses(path: str) -> list[tuple[str, int, str, str]]:
+    """(file, row, prompt, response) of each row; a bad row is a DataError naming file, row and field."""
+    from marlhf.data.adapters.files import iter_file_rows
+    from marlhf.data.records import DataError, require_text
 
-    a, b = rows(path_a), rows(path_b)
+    if not Path(path).is_file():
+        raise ConfigError(f"responses file {path!r} does not exist")
+    out = []
+    for file, n, row in iter_file_rows(Path(path)):
+        if isinstance(row, DataError):
+            raise row
+        prompt = require_text(row, "prompt", file, n)
+        response = row.get("response")
+        if not isinstance(response, str):  # an empty answer is a legitimate (losing) response
+            raise DataError(file, n, "response", "missing" if response is None
+                            else f"expected text, got {type(response).__name__}")
+        out.append((file, n, prompt, response))
+    return out
+
+
+def read_pairs(path_a: str, path_b: str) -> list[tuple[str, str, str]]:
+    """(prompt, response of A, response of B): row k of both files answers the same prompt."""
+    a, b = read_responses(path_a), read_responses(path_b)
     if len(a) != len(b):
-        raise SystemExit(f"{path_a} has {len(a)} rows but {path_b} has {len(b)}: they must answer the same prompts")
-    for (line_a, prompt_a, _), (line_b, prompt_b, _) in zip(a, b):
+        raise ConfigError(f"{path_a} has {len(a)} rows but {path_b} has {len(b)}: they must answer the same prompts")
+    for (file_a, row_a, prompt_a, _), (file_b, row_b, prompt_b, _) in zip(a, b):
         if prompt_a != prompt_b:
-            raise SystemExit(f"{path_a}: row {line_a} and {path_b}: row {line_b}: different prompts")
-    return [(p, ra, rb) for (_, p, ra), (_, _, rb) in zip(a, b)]
+            raise DataError(file_b, row_b, "prompt", f"differs from the prompt of {file_a} row {row_a}")
+    return [(p, ra, rb) for (_, _, p, ra), (_, _, _, rb) in zip(a, b)]
+
+
+def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int):
+    """A reward model or the embedded task's gold scorer as the judge (the higher score wins)."""
+    from marlhf.eval.judge import ScorerJudge
+
+    if kind == "reward_model":
+        if not reward_model:
+            raise ConfigError("--judge reward_model needs --reward_model (a step-2 output folder)")
+        from marlhf.eval.reward import Scorer
+
+        rm = Scorer(reward_model)
+        return ScorerJudge(lambda p, r: rm(p, r, batch_size), tie_margin)
+    from marlhf.data.synthetic import gold_scores
+
+    return ScorerJudge(gold_scores, tie_margin)
 
 
 def main(argv=None) -> int:
@@ -51,6 +83,11 @@ def main(argv=None) -> int:
     parser.add_argument("--task", required=True, help="applications/<task> folder name or path")
     parser.add_argument("--a", required=True, help="jsonl of policy A's responses")
     parser.add_argument("--b", required=True, help="jsonl of policy B's responses")
+    parser.add_argument("--judge", default="api", choices=("api", "reward_model", "gold"),
+                        help="api: a model behind --base_url; reward_model / gold: a local scorer, higher wins")
+    parser.add_argument("--reward_model", default="", help="--judge reward_model: the step-2 output folder")
+    parser.add_argument("--tie_margin", type=float, default=0.0, help="Local judges: |score difference| <= this ties")
+    parser.add_argument("--batch_size", type=int, default=16, help="Local reward-model judge's batch")
     parser.add_argument("--base_url", default=os.environ.get("OPENAI_BASE_URL"),
                         help="chat-completions endpoint base, e.g. https://api.openai.com/v1 (env OPENAI_BASE_URL)")
     parser.add_argument("--model", default=os.environ.get("MARLHF_JUDGE_MODEL"), help="(env MARLHF_JUDGE_MODEL)")
@@ -66,24 +103,30 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=None, help="jsonl: one row per pair (order shown, answer, outcome)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    if not args.base_url or not args.model:
-        parser.error("--base_url and --model are required (or OPENAI_BASE_URL / MARLHF_JUDGE_MODEL)")
-    if args.api_key_file:
-        key = Path(args.api_key_file).read_text().strip()
-    else:
-        key = os.environ.get(args.api_key_env) or None
     app = load_application(args.task)
     pairs = read_pairs(args.a, args.b)
-    judge = ChatCompletionsJudge(args.base_url, args.model, app.judge_template, api_key=key,
-                                 verdict_format=app.verdict_format, cache_dir=os.path.expanduser(args.cache_dir),
-                                 concurrency=args.concurrency, max_retries=args.max_retries, timeout_s=args.timeout,
-                                 max_tokens=args.max_tokens)
-    logging.info("judging %d pairs with %r (task %s, key %s)", len(pairs), judge, app.name,
-                 "set" if key else "not set")
+    if args.judge == "api":
+        if not args.base_url or not args.model:
+            parser.error("--base_url and --model are required (or OPENAI_BASE_URL / MARLHF_JUDGE_MODEL)")
+        if args.api_key_file:
+            key = Path(args.api_key_file).read_text().strip()
+        else:
+            key = os.environ.get(args.api_key_env) or None
+        judge = ChatCompletionsJudge(args.base_url, args.model, app.judge_template, api_key=key,
+                                     verdict_format=app.verdict_format, cache_dir=os.path.expanduser(args.cache_dir),
+                                     concurrency=args.concurrency, max_retries=args.max_retries,
+                                     timeout_s=args.timeout, max_tokens=args.max_tokens)
+        logging.info("judging %d pairs with %r (task %s, key %s)", len(pairs), judge, app.name,
+                     "set" if key else "not set")
+    else:
+        judge = local_judge(args.judge, args.reward_model, args.tie_margin, args.batch_size)
+        logging.info("judging %d pairs with the local %s judge (task %s)", len(pairs), args.judge, app.name)
     outcomes = compare_policies(judge, [p for p, _, _ in pairs], [app.postprocess(a) for _, a, _ in pairs],
                                 [app.postprocess(b) for _, _, b in pairs], seed=args.seed)
     summary = summarize(outcomes)
-    summary["requests_sent"] = judge.requests_sent
+    summary["judge"] = args.judge
+    if args.judge == "api":
+        summary["requests_sent"] = judge.requests_sent
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             for o in outcomes:
@@ -93,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -16,21 +16,29 @@ from pathlib import Path
 
 from marlhf.code.apps import extract_code, load_problem
 from marlhf.code.sandbox import Limits, run_programs
+from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.pass_at_k import pass_at_k_table
 
 
 def read_samples(path: str) -> dict[str, list[str]]:
+    """Responses per problem id; a bad row is a DataError naming file, row and field."""
+    from marlhf.data.adapters.files import iter_file_rows
+    from marlhf.data.records import DataError
+
+    if not Path(path).is_file():
+        raise ConfigError(f"samples file {path!r} does not exist")
     by_problem: dict[str, list[str]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                pid, response = str(row["problem_id"]), row["response"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise SystemExit(f"{path}: row {line_no}: needs fields 'problem_id' and 'response' ({err})") from None
-            by_problem.setdefault(pid, []).append(response)
+    for file, n, row in iter_file_rows(Path(path)):
+        if isinstance(row, DataError):
+            raise row
+        pid, response = row.get("problem_id"), row.get("response")
+        if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+            raise DataError(file, n, "problem_id", "missing" if pid is None
+                            else f"expected text or an integer, got {type(pid).__name__}")
+        if not isinstance(response, str):
+            raise DataError(file, n, "response", "missing" if response is None
+                            else f"expected text, got {type(response).__name__}")
+        by_problem.setdefault(str(pid), []).append(response)
     return by_problem
 
 
@@ -65,4 +73,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

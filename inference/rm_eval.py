@@ -14,12 +14,11 @@ else the data the reward model was trained on (its run's ``args.json``); ``--gol
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from pathlib import Path
 
 from marlhf.errors import ConfigError, run_cli
+from marlhf.eval.reward import gold_scorer
 from marlhf.eval.score_report import (
     build_report,
     format_report,
@@ -50,26 +49,6 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
     return p.parse_args(argv)
-
-
-def recorded_data_path(model_dir: str) -> list[str] | None:
-    """The --data_path of the run that wrote ``model_dir`` (its args.json, beside it or one level up)."""
-    for folder in (Path(model_dir), Path(model_dir).parent):
-        path = folder / "args.json"
-        if path.is_file():
-            return json.loads(path.read_text()).get("data_path")
-    return None
-
-
-def gold_scorer(mode: str, data_path: list[str] | None, reward_model: str):
-    from marlhf.data.synthetic import gold_scores
-    from marlhf.rlhf.tasks import gold_scorer_for
-
-    if mode == "off":
-        return None
-    if mode == "on":
-        return gold_scores
-    return gold_scorer_for(data_path or recorded_data_path(reward_model) or [])
 
 
 def main(argv=None) -> int:

@@ -134,3 +134,48 @@ def test_step3_critic_export_scores_equal(tmp_path):
     assert "Step:** 3" in card and "critic" in card and "`out/sft`" in card and "| eval/gold_score | 0.25 | 7 |" in card
     # the actor folder is empty: asking for it is a one-line user error, not a traceback
     assert run_cli(load_main(EXPORT), ["--input", str(run), "--output_dir", str(tmp_path / "rel2")]) == 1
+
+
+def test_lora_zero3_checkpoint_exports_the_trained_model(embedded, tmp_path):
+    """--from_checkpoint on a ZeRO-3 LoRA run: the model rebuilt from args.json, the partitions merged by
+    zero_to_fp32 and LoRA merged gives the same logits as the run's own (gathered, merged) export."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "lora3"
+    load_main(STEP1)(["--data_path", TINY_DATA, "--max_seq_len", "128", "--per_device_train_batch_size", "4",
+                      "--per_device_eval_batch_size", "16", "--max_eval_samples", "16", "--disable_progress_bar",
+                      "--seed", "1", "--output_dir", str(run), "--data_output_path", str(tmp_path / "data"),
+                      "--max_steps", "2", "--save_steps", "2", "--zero_stage", "3", "--lora_dim", "4"])
+    assert (run / "checkpoints/step00000002/sft/zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    dest = tmp_path / "from_ckpt"
+    assert run_cli(load_main(EXPORT), ["--input", str(run), "--from_checkpoint", "--output_dir", str(dest)]) == 0
+    tok = AutoTokenizer.from_pretrained(dest)
+    ids = tok(["SUBREDDIT: r/pets\nPOST: a cat hides\nTL;DR:", "hi"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(run)(**ids).logits
+        got = AutoModelForCausalLM.from_pretrained(dest)(**ids).logits
+        base = AutoModelForCausalLM.from_pretrained(embedded.model_dir)(**ids).logits
+    assert torch.equal(got, want)
+    assert not torch.allclose(got, base, atol=1e-3)  # trained weights, not the base model's
+    assert not any(p.name == "lora_adapter" or "lora" in p.name for p in dest.iterdir())  # merged, plain HF
+    assert "DeepSpeed checkpoint `step00000002/sft`" in (dest / "README.md").read_text()
+    # a folder without checkpoints is a one-line user error
+    assert run_cli(load_main(EXPORT), ["--input", str(dest), "--from_checkpoint",
+                                       "--output_dir", str(tmp_path / "x")]) == 1
+
+
+def test_checkpoint_without_full_weights_is_a_clear_error(tmp_path, capsys):
+    """A ZeRO-partitioned engine with no optimizer partitions (a frozen EMA) cannot be merged: one-line error."""
+    step = tmp_path / "run" / "checkpoints" / "step00000003"
+    (step / "ema").mkdir(parents=True)
+    (step / "ema" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    (step / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step00000003")
+    (tmp_path / "run" / "args.json").write_text(json.dumps({"actor_model_name_or_path": ""}))
+    argv = ["--input", str(tmp_path / "run"), "--from_checkpoint", "--model", "actor_ema",
+            "--output_dir", str(tmp_path / "o")]
+    assert run_cli(load_main(EXPORT), argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without optimizer states" in err[0], err
+    assert run_cli(load_main(EXPORT), [*argv[:3], "--model", "critic", *argv[5:]]) == 1
+    assert "no 'critic' engine checkpoint (it has ema)" in capsys.readouterr().err

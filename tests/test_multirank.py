@@ -131,8 +131,8 @@ def zero2(work):
 
 @pytest.fixture(scope="module")
 def zero3(work):
-    run_launcher([*deepspeed_cmd(2, 29642), str(STEP1), *run_argv(work, "zero3", "--zero_stage", "3")],
-                 timeout=300)
+    run_launcher([*deepspeed_cmd(2, 29642), str(STEP1), *run_argv(work, "zero3", "--zero_stage", "3",
+                                                                  "--save_steps", str(STEPS))], timeout=300)
     return work / "zero3"
 
 
@@ -143,6 +143,23 @@ def test_two_ranks_zero2(zero2, work, embedded):
 
 def test_two_ranks_zero3_exports_gathered_weights(zero3, work, embedded):
     check_sft_run(zero3, work, embedded)
+
+
+def test_two_ranks_zero3_checkpoint_exports_the_trained_model(zero3, tmp_path):
+    """inference/export.py --from_checkpoint merges the two ranks' ZeRO-3 partitions into the trained model."""
+    from transformers import AutoModelForCausalLM
+
+    from marlhf.utils.model_card import export_step_output
+
+    engine = zero3 / "checkpoints" / f"step{STEPS:08d}" / "sft"
+    assert sorted(p.name for p in engine.glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    dest = export_step_output(zero3, tmp_path / "from_ckpt", from_checkpoint=True)
+    ids = torch.tensor([[5, 17, 33, 9, 101, 7]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(zero3)(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(dest)(input_ids=ids).logits
+    assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------------ two nodes, one machine

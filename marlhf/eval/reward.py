@@ -4,6 +4,9 @@ One copy for every tool that scores with a reward model (``rw_eval.py``, ``infer
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from marlhf.data.formatting import LongPromptPolicy
@@ -46,3 +49,25 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, e
         ids, mask = _pad([x["input_ids"] for x in items[i:i + batch_size]], tokenizer.pad_token_id)
         out += sequence_scores(model, ids.to(device), mask.to(device)).tolist()
     return out
+
+
+def recorded_data_path(model_dir: str) -> list[str] | None:
+    """The --data_path of the run that wrote ``model_dir`` (its args.json, beside it or one level up)."""
+    for folder in (Path(model_dir), Path(model_dir).parent):
+        path = folder / "args.json"
+        if path.is_file():
+            return json.loads(path.read_text()).get("data_path")
+    return None
+
+
+def gold_scorer(mode: str, data_path: list[str] | None, reward_model: str):
+    """``--gold``: "off" None, "on" the embedded task's gold scorer, "auto" it when the data (``data_path``, else
+    the reward model's training data) is the embedded synthetic task.  Called as ``(prompts, answers[, ended])``."""
+    from marlhf.data.synthetic import gold_scores
+    from marlhf.rlhf.tasks import gold_scorer_for
+
+    if mode == "off":
+        return None
+    if mode == "on":
+        return gold_scores
+    return gold_scorer_for(data_path or recorded_data_path(reward_model) or [])

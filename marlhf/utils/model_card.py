@@ -34,6 +34,7 @@ class StepOutput:
     step: int
     role: str  # "policy" | "reward model" | "actor" | "critic" | "actor_ema"
     adapter_only: bool  # a peft adapter without merged weights next to it
+    checkpoint: str = ""  # the DeepSpeed checkpoint engine folder the weights come from, if any
 
 
 def _has_weights(folder: Path) -> bool:
@@ -62,8 +63,8 @@ def locate(folder: str | Path, model: str = "actor") -> StepOutput:
             model = next((d.name for d in (folder, folder.parent) if d.name in STEP3_MODELS), model)
         if not (_has_weights(target) or _is_adapter(target)):
             raise ConfigError(f"{folder}: a step-3 output without a finished {model!r} model (no {model}/config.json"
-                              f" and safetensors; the run may have stopped before exporting — only its DeepSpeed "
-                              f"checkpoints are there, which this tool does not convert)")
+                              f" and safetensors; the run may have stopped before exporting — export its DeepSpeed "
+                              f"checkpoint with --from_checkpoint)")
         return StepOutput(target, run_dir, 3, model, not _has_weights(target))
     if _has_weights(folder) or _is_adapter(folder):
         adapter_only = not _has_weights(folder)
@@ -75,8 +76,7 @@ def locate(folder: str | Path, model: str = "actor") -> StepOutput:
         return StepOutput(folder, run_dir, 2 if is_rm else 1, "reward model" if is_rm else "policy", adapter_only)
     hint = ""
     if (folder / "checkpoints").is_dir() or (folder / "latest").is_file():
-        hint = (" (only DeepSpeed checkpoints, which this tool does not convert: finish the run with --resume, "
-                "or export the step's --output_dir)")
+        hint = " (only DeepSpeed checkpoints: export them with --from_checkpoint)"
     raise ConfigError(f"{folder} is not a training step's output: no config.json with safetensors weights, no "
                       f"LoRA adapter_config.json, no actor/ or critic/ folder{hint}")
 
@@ -128,7 +128,8 @@ def render_model_card(src: StepOutput, args: dict, metrics: dict[str, tuple[int,
     lines += [f"- **Data:** {', '.join(f'`{d}`' for d in data) if data else 'not recorded'}"
               + (f" (split `{args['data_split']}`)" if args.get("data_split") else ""),
               f"- **End-of-conversation token:** `{eot!r}`; **prompt format:** `{prompt_format}`",
-              f"- **Source:** `{src.model_dir.resolve()}`" + (" (LoRA adapter merged)" if src.adapter_only else ""),
+              f"- **Source:** `{src.model_dir.resolve()}`" + (" (LoRA adapter merged)" if src.adapter_only else "")
+              + (f" (DeepSpeed checkpoint `{src.checkpoint}`)" if src.checkpoint else ""),
               "", "## Final metrics", ""]
     if metrics:
         lines += ["| metric | value | step |", "|---|---|---|"]
@@ -170,29 +171,139 @@ def _load(src: StepOutput, base_model: str, tok, dtype):
     return PeftModel.from_pretrained(model, src.model_dir).merge_and_unload()
 
 
+# ------------------------------------------------------------------------------ from a DeepSpeed checkpoint
+ENGINE_OF = {"actor": "actor", "critic": "critic", "actor_ema": "ema"}  # step 3's model -> checkpoint engine
+
+
+def locate_checkpoint(folder: str | Path, model: str = "actor") -> StepOutput:
+    """The checkpoint engine folder to export: ``folder`` is a step's --output_dir (its latest checkpoint), its
+    ``checkpoints/`` folder, one ``checkpoints/stepNNNNNNNN`` folder, or one engine folder inside it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: no such folder (give a step's --output_dir or its checkpoints/ folder)")
+    if (folder / "checkpoints" / "latest").is_file():
+        folder = folder / "checkpoints"
+    if (folder / "latest").is_file():
+        folder = folder / (folder / "latest").read_text().strip()
+    if any(folder.glob("*model_states.pt")):  # an engine folder itself
+        engine_dir = folder
+    elif (folder / "trainer_state.json").is_file():
+        engines = sorted(d.name for d in folder.iterdir() if d.is_dir() and any(d.glob("*model_states.pt")))
+        if set(engines) & set(ENGINE_OF.values()):  # step 3: actor, critic (, ema)
+            if ENGINE_OF[model] not in engines:
+                raise ConfigError(f"{folder} has no {model!r} engine checkpoint (it has {', '.join(engines)})")
+            engine_dir = folder / ENGINE_OF[model]
+        elif engines:
+            engine_dir = folder / engines[0]
+        else:
+            raise ConfigError(f"{folder}: a checkpoint without DeepSpeed model files (*model_states.pt)")
+    else:
+        raise ConfigError(f"{folder} holds no DeepSpeed checkpoint (no checkpoints/latest, latest, trainer_state.json "
+                          f"or *model_states.pt)")
+    step_dir = engine_dir.parent
+    run_dir = next((d for d in (step_dir.parent.parent, step_dir.parent, step_dir) if (d / "args.json").is_file()),
+                   step_dir.parent.parent)
+    args = _read_args(run_dir)
+    name = engine_dir.name
+    if "actor_model_name_or_path" in args or name in ("actor", "critic", "ema"):
+        step, role = 3, {"ema": "actor_ema"}.get(name, name)
+    else:
+        step, role = (2, "reward model") if name == "reward" else (1, "policy")
+    return StepOutput(engine_dir, run_dir, step, role, False, checkpoint=f"{step_dir.name}/{name}")
+
+
+def checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
+    """Full weights of one engine's checkpoint on CPU: ZeRO 1-3 partitions merged by DeepSpeed's own
+    zero_to_fp32 (fp32 master weights), or the ZeRO-0 model file's state dict."""
+    if any(engine_dir.glob("*optim_states.pt")) and any(engine_dir.glob("zero_pp_rank_*")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(engine_dir.parent), tag=engine_dir.name))
+    if any(engine_dir.glob("zero_pp_rank_*")):  # partitioned, but no optimizer partitions to merge
+        raise ConfigError(f"{engine_dir}: ZeRO-partitioned weights without optimizer states (a frozen engine such "
+                          f"as the EMA under ZeRO-3): the checkpoint does not hold its full weights; export the "
+                          f"run's exported folder instead")
+    files = sorted(engine_dir.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise ConfigError(f"{engine_dir}: no mp_rank_*_model_states.pt")
+    return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+
+
+def _model_from_checkpoint(src: StepOutput, base_model: str):
+    """(model with the checkpoint's weights, LoRA merged; tokenizer; format), rebuilt as the run built it from
+    its recorded flags (args.json): base model, end token, prompt format, added tokens, LoRA."""
+    from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer_and_format, load_value_model
+
+    args = _read_args(src.run_dir)
+    if not args and not base_model:
+        raise ConfigError(f"{src.run_dir}: no args.json beside the checkpoint; give --base_model (the model the "
+                          f"run started from)")
+    state = checkpoint_state_dict(src.model_dir)  # first: a checkpoint that cannot be read fails before any load
+    is_value = src.role in ("reward model", "critic")
+    key = ("critic_model_name_or_path" if is_value else "actor_model_name_or_path") if src.step == 3 \
+        else "model_name_or_path"
+    base = base_model or args.get(key, "")
+    tok_base = args.get("actor_model_name_or_path", "") if src.step == 3 and not base_model else base
+    tok, fmt = load_tokenizer_and_format(tok_base, args.get("end_of_conversation_token", ""),
+                                         args.get("prompt_format", "auto"),
+                                         add_eot_token=bool(args.get("add_eot_token", False)))
+    if is_value:
+        model = load_value_model(base, tok)
+    else:
+        model = load_causal_lm(base, tok, end_of_conversation_token=fmt.end_of_conversation_token)
+    if src.step == 3 and src.role == "critic":
+        lora_dim, modules = args.get("critic_lora_dim", 0), args.get("critic_lora_module_name", "")
+    elif src.step == 3:
+        lora_dim = args.get("actor_lora_dim", 0) or args.get("lora_dim", 0)
+        modules = args.get("actor_lora_module_name", "") or args.get("lora_module_name", "")
+    else:
+        lora_dim, modules = args.get("lora_dim", 0), args.get("lora_module_name", "")
+    if lora_dim and src.role != "actor_ema":  # the EMA tracks the full weights (no LoRA)
+        model = apply_lora(model, lora_dim, modules, True, task="SEQ_CLS" if is_value else "CAUSAL_LM")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n in missing if n.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)}
+    absent = sorted(set(missing) - tied)
+    if unexpected or absent:
+        raise ConfigError(f"{src.model_dir}: the checkpoint does not fit the model rebuilt from "
+                          f"{base or 'the embedded default'} (missing {absent[:4]}, unexpected "
+                          f"{sorted(unexpected)[:4]}); give --base_model if the run started from another model")
+    if hasattr(model, "merge_and_unload"):
+        log.info("merging the LoRA weights of %s", src.model_dir)
+        model = model.merge_and_unload()
+    return model, tok, fmt
+
+
 def export_step_output(folder: str | Path, out_dir: str | Path, model: str = "actor", base_model: str = "",
-                       dtype: str = "auto", overwrite: bool = False) -> Path:
-    """Write ``folder``'s model as a clean HF folder with a README.md model card into ``out_dir``."""
+                       dtype: str = "auto", overwrite: bool = False, from_checkpoint: bool = False) -> Path:
+    """Write ``folder``'s model as a clean HF folder with a README.md model card into ``out_dir``.
+    ``from_checkpoint``: take the weights from the run's (latest, or the given) DeepSpeed checkpoint instead
+    of its exported model — for a run stopped before its export; ZeRO partitions are merged, LoRA merged."""
     from marlhf.data.formatting import FORMAT_FILE, write_format
     from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids, torch_dtype
 
-    src = locate(folder, model)
+    src = locate_checkpoint(folder, model) if from_checkpoint else locate(folder, model)
     out_dir = Path(out_dir)
     if out_dir.resolve() == src.model_dir.resolve() or src.model_dir.resolve() in out_dir.resolve().parents:
         raise ConfigError(f"--output_dir {out_dir} must not be the source folder or inside it")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{out_dir} exists and is not empty (give --overwrite to replace it)")
-    tok_dir = src.model_dir
-    if src.adapter_only and not (src.model_dir / "tokenizer_config.json").is_file():
-        tok_dir = src.model_dir.parent  # export_hf keeps the adapter in <model>/lora_adapter/
-    if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"{src.model_dir}: no tokenizer saved with the model")
-    tok, fmt = load_tokenizer_and_format(str(tok_dir))
-    if not (tok_dir / FORMAT_FILE).is_file():
-        log.warning("%s: no %s; recording the tokenizer's own end token %r", tok_dir, FORMAT_FILE,
-                    fmt.end_of_conversation_token)
-    torch_type = "auto" if dtype == "auto" else torch_dtype(dtype)
-    hf = _load(src, base_model, tok, torch_type).eval()
+    if from_checkpoint:
+        hf, tok, fmt = _model_from_checkpoint(src, base_model)
+        if dtype != "auto":
+            hf = hf.to(torch_dtype(dtype))
+    else:
+        tok_dir = src.model_dir
+        if src.adapter_only and not (src.model_dir / "tokenizer_config.json").is_file():
+            tok_dir = src.model_dir.parent  # export_hf keeps the adapter in <model>/lora_adapter/
+        if not (tok_dir / "tokenizer_config.json").is_file() and not (tok_dir / "tokenizer.json").is_file():
+            raise ConfigError(f"{src.model_dir}: no tokenizer saved with the model")
+        tok, fmt = load_tokenizer_and_format(str(tok_dir))
+        if not (tok_dir / FORMAT_FILE).is_file():
+            log.warning("%s: no %s; recording the tokenizer's own end token %r", tok_dir, FORMAT_FILE,
+                        fmt.end_of_conversation_token)
+        torch_type = "auto" if dtype == "auto" else torch_dtype(dtype)
+        hf = _load(src, base_model, tok, torch_type)
+    hf = hf.eval()
     hf.config.use_cache = True
     hf.config.pad_token_id = tok.pad_token_id
     if src.role not in ("reward model", "critic") and hf.generation_config is not None:

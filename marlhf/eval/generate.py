@@ -1,0 +1,307 @@
+"""Sampling answers to many prompts into a JSON-lines file that a stopped run can resume.
+
+The tools of ``inference/`` (``generate``, ``chat``, ``best_of_n``) load a policy the same way
+(:class:`LoadedPolicy`: any HF folder, a step's output — step 3's ``actor/`` picked automatically — or the
+embedded default) and sample through the one generation seam, :func:`marlhf.generation.sample`.
+
+Resumability (:func:`generate_file`): prompts are cut into fixed batches; batch ``b`` is sampled under its
+own seed (``batch_seed(seed, b)``), so what it produces does not depend on the batches before it or on the
+process that runs it.  Each batch's rows are written with one ``write`` followed by ``fsync``.  On restart
+the file is read back, a torn last line and the rows of an incomplete batch are cut off, and sampling goes on
+at the first missing batch: the finished file is byte-identical to the one an uninterrupted run writes.
+The settings the rows were sampled with are kept beside the file (``<output>.settings.json``), and a resume
+with other settings is refused rather than silently mixing two distributions in one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from marlhf.errors import ConfigError
+from marlhf.generation import GenerationConfig, decode_samples, sample
+
+log = logging.getLogger("marlhf")
+
+SETTINGS_SUFFIX = ".settings.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str  # the raw prompt as the dataset writes it (the policy's prompt format is applied at encoding)
+
+
+def prompts_from_file(path: str | Path) -> list[Prompt]:
+    """Prompts of a json/jsonl/parquet file: a ``prompt`` per row, ``id`` (or ``prompt_id``) optional (default:
+    the row number).  A bad row is a DataError naming file, row and field."""
+    from marlhf.data.adapters.files import iter_file_rows
+    from marlhf.data.records import DataError, require_text
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"prompts file {str(path)!r} does not exist")
+    out, seen = [], {}
+    for file, n, row in iter_file_rows(path):
+        if isinstance(row, DataError):
+            raise row
+        text = require_text(row, "prompt", file, n)
+        pid = row.get("id", row.get("prompt_id", n))
+        if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+            raise DataError(file, n, "id", f"expected text or an integer, got {type(pid).__name__}")
+        pid = str(pid)
+        if pid in seen:
+            raise DataError(file, n, "id", f"{pid!r} repeats row {seen[pid]}")
+        seen[pid] = n
+        out.append(Prompt(pid, text))
+    if not out:
+        raise ConfigError(f"{path}: no prompts")
+    return out
+
+
+def prompts_from_dataset(specs: Sequence[str], split: str, *, data_split: str, seed: int, eval_fraction: float,
+                         bad_rows: str = "error", phase: int = 3) -> list[Prompt]:
+    """The prompts training sees: ``split`` "eval" is the held-out set step ``phase`` evaluates on (the test
+    split, or the seeded held-out slice), "train" is that step's share of the training rows — the same
+    rows as training under the same ``--data_split`` / ``--seed`` / ``--eval_fraction``."""
+    from marlhf.data.pipeline import phase_records
+    from marlhf.data.records import BadRowPolicy
+
+    if split not in ("train", "eval"):
+        raise ConfigError(f"--split must be 'train' or 'eval', got {split!r}")
+    policy = BadRowPolicy(bad_rows)
+    train, evaluation = phase_records(list(specs), data_split, phase, seed, eval_fraction, policy)
+    if policy.num_skipped:
+        log.info("%s", policy.summary())
+    records = train if split == "train" else evaluation
+    if not records:
+        raise ConfigError(f"{', '.join(specs)}: no {split} prompts for step {phase}")
+    return [Prompt(f"{split}-{i}", r.prompt) for i, r in enumerate(records)]
+
+
+def policy_folder(path: str, model: str = "actor") -> str:
+    """The model folder to sample from: ``path`` itself (an HF folder or hub name), step 3's ``model``
+    sub-folder when ``path`` is a step-3 output, or the embedded default when empty."""
+    from marlhf.models.loading import resolve_model_path
+
+    if not path or not Path(path).expanduser().is_dir():
+        return resolve_model_path(path)
+    from marlhf.utils.model_card import locate
+
+    src = locate(path, model)
+    if src.adapter_only:
+        raise ConfigError(f"{src.model_dir}: a LoRA adapter without merged weights; merge it first with "
+                          f"python inference/export.py --input {src.model_dir} --output_dir MERGED")
+    return str(src.model_dir)
+
+
+class LoadedPolicy:
+    """A causal LM with its tokenizer (left padding), conversation format and stop ids, in eval mode."""
+
+    def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = "auto",
+                 dtype: torch.dtype = torch.float32):
+        from marlhf.data.formatting import PromptFormatter
+        from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids
+
+        self.path = policy_folder(path, model)
+        self.tok, self.format = load_tokenizer_and_format(self.path, eot, prompt_format, padding_side="left")
+        self.eot = self.format.end_of_conversation_token
+        self.model = load_causal_lm(self.path, self.tok, dtype=dtype, end_of_conversation_token=self.eot).eval()
+        self.formatter = PromptFormatter(self.tok, self.format.prompt_format, self.eot)
+        self.stop_ids = tuple(stop_token_ids(self.tok, self.eot))
+        log.info("policy %s (prompt format %s, end token %r)", self.path, self.format.prompt_format, self.eot)
+
+    def config(self, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               do_sample: bool = True, seed: int | None = None) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=self.tok.pad_token_id,
+                                temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed)
+
+    def encode(self, prompts: Sequence[str], max_prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded (ids, mask) of raw prompts in the policy's prompt format; a prompt over
+        ``max_prompt_len`` tokens keeps its most recent turns (as step 3 truncates)."""
+        from marlhf.data.formatting import LongPromptPolicy
+        from marlhf.data.pipeline import _pad
+
+        fit = LongPromptPolicy("truncate")
+        seqs = []
+        for p in prompts:
+            text, drop = fit.fit(self.formatter, p, max_prompt_len)
+            seqs.append(self.formatter.encode(text)[drop:])
+        if fit.counts:
+            log.info("prompts over %d tokens: %s", max_prompt_len, dict(fit.counts))
+        return _pad(seqs, self.tok.pad_token_id, left=True)
+
+    def sample(self, prompts: Sequence[str], cfg: GenerationConfig, num_samples: int, max_prompt_len: int):
+        """(responses, ended, lengths) of ``num_samples`` answers per prompt, grouped by prompt."""
+        ids, mask = self.encode(prompts, max_prompt_len)
+        out = sample(self.model, ids, mask, cfg, num_samples=num_samples)
+        _, responses = decode_samples(self.tok, out)
+        return responses, out.ended.tolist(), out.lengths.tolist()
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The seed batch ``batch`` samples under: independent of the batches before it (resume = same rows)."""
+    return seed * 1_000_003 + batch
+
+
+# --------------------------------------------------------------------------------------------- the file
+def _read_settings(path: Path) -> dict | None:
+    side = path.with_name(path.name + SETTINGS_SUFFIX)
+    if not side.is_file():
+        return None
+    try:
+        return json.loads(side.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{side}: not valid JSON ({err}); delete it and the rows, or give --overwrite") from None
+
+
+def _expected_rows(prompts: Sequence[Prompt], batch_size: int, num_samples: int):
+    """(prompt_id, sample) of every row in file order, with the batch each belongs to."""
+    for b in range(0, len(prompts), batch_size):
+        for p in prompts[b:b + batch_size]:
+            for k in range(num_samples):
+                yield b // batch_size, p.id, k
+
+
+def resume_point(path: Path, prompts: Sequence[Prompt], batch_size: int, num_samples: int) -> tuple[int, int, int]:
+    """(complete batches, rows in them, their byte length) of what ``path`` already holds, checking that every
+    row is the expected one.  The part after the last newline (a torn line) and the rows of an incomplete
+    last batch are not counted: the caller cuts them off."""
+    data = path.read_bytes()
+    expected = list(_expected_rows(prompts, batch_size, num_samples))
+    batches = rows = size = offset = 0
+    for n, line in enumerate(data.split(b"\n")[:-1], 1):  # one write per batch: only the last line can be torn
+        offset += len(line) + 1
+        try:
+            row = json.loads(line)
+            key = (row["prompt_id"], row["sample"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{path}: row {n} is not a generation row (fields prompt_id, sample); the file was "
+                              f"edited or not written by this tool (give --overwrite to start over)") from None
+        want = expected[n - 1][1:] if n <= len(expected) else None
+        if key != want:
+            raise ConfigError(f"{path}: row {n} is {key}, expected {want or 'no more rows'}: the file does not "
+                              f"match these prompts (give --overwrite to start over)")
+        if n == len(expected) or expected[n][0] != expected[n - 1][0]:  # the last row of its batch
+            batches, rows, size = batches + 1, n, offset
+    return batches, rows, size
+
+
+def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str | Path, *, cfg: GenerationConfig,
+                  num_samples: int = 1, batch_size: int = 8, max_prompt_len: int = 256, seed: int = 0,
+                  policy_name: str = "", overwrite: bool = False, progress: bool = True,
+                  settings: dict | None = None) -> int:
+    """Sample ``num_samples`` answers per prompt into ``output`` (JSON lines), resuming a stopped run.
+    Returns the number of rows written by this call."""
+    from tqdm.auto import tqdm
+
+    from marlhf.utils.checkpoint import pause_point
+
+    if batch_size < 1 or num_samples < 1:
+        raise ConfigError(f"--batch_size and --num_samples must be at least 1, got {batch_size}, {num_samples}")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    side = output.with_name(output.name + SETTINGS_SUFFIX)
+    # everything that changes the rows: resuming with any of it different would mix two runs in one file
+    recorded = {"policy": policy.path, "policy_name": policy_name, "num_prompts": len(prompts),
+                "num_samples": num_samples, "batch_size": batch_size, "max_prompt_len": max_prompt_len, "seed": seed,
+                "generation": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"},
+                **(settings or {})}
+    recorded = json.loads(json.dumps(recorded))  # tuples -> lists, as they read back
+    start = 0
+    if output.exists() and not overwrite:
+        before = _read_settings(output)
+        if before is None:
+            raise ConfigError(f"{output} exists without {side.name}: not a file this tool can resume (give "
+                              f"--overwrite to replace it, or another --output)")
+        changed = sorted(k for k in set(before) | set(recorded) if before.get(k) != recorded.get(k))
+        if changed:
+            raise ConfigError(f"{output} was sampled with other settings ({', '.join(changed)} differ): resume with "
+                              f"the same flags, or give --overwrite / another --output")
+        start, kept, size = resume_point(output, prompts, batch_size, num_samples)
+        cut = output.stat().st_size - size
+        if cut:
+            with open(output, "r+b") as f:
+                f.truncate(size)
+                os.fsync(f.fileno())
+            log.info("%s: dropped %d bytes of a torn line / incomplete batch", output, cut)
+        if start:
+            log.info("%s: resuming after %d complete batches (%d rows)", output, start, kept)
+    else:
+        output.write_bytes(b"")
+    side.write_text(json.dumps(recorded, indent=1) + "\n")
+    num_batches = (len(prompts) + batch_size - 1) // batch_size
+    done_prompts = min(len(prompts), start * batch_size)
+    written = 0
+    with open(output, "ab") as f, tqdm(total=len(prompts), initial=done_prompts, unit="prompt",
+                                       disable=not progress, desc="generate") as bar:
+        for b in range(start, num_batches):
+            chunk = prompts[b * batch_size:(b + 1) * batch_size]
+            s = batch_seed(seed, b)
+            responses, ended, lengths = policy.sample([p.text for p in chunk], dataclasses.replace(cfg, seed=s),
+                                                      num_samples, max_prompt_len)
+            lines = []
+            for i, (resp, end, length) in enumerate(zip(responses, ended, lengths)):
+                p = chunk[i // num_samples]
+                row = {"prompt_id": p.id, "sample": i % num_samples, "prompt": p.text, "response": resp,
+                       "ended": bool(end), "length": int(length), "seed": s, "policy": policy_name}
+                lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write("".join(lines).encode("utf-8"))  # one write per batch: a kill leaves at most one torn batch
+            f.flush()
+            os.fsync(f.fileno())
+            written += len(lines)
+            bar.update(len(chunk))
+            pause_point("generate", b)  # (tests) batch b is on disk; a test may SIGKILL the run here
+    log.info("wrote %d rows to %s (%d in the file)", written, output, len(prompts) * num_samples)
+    return written
+
+
+# ------------------------------------------------------------------------------------ the tools' flags
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.0) -> None:
+    """The policy and sampling flags the generation tools share."""
+    from marlhf.utils.model_card import STEP3_MODELS
+
+    p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
+    p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--max_prompt_len", type=int, default=256, help="Longer prompts keep their most recent turns")
+    if temperature is not None:
+        p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top_k", type=int, default=0, help="0: off")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
+    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
+    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """``--prompts FILE`` or ``--data_path SPEC… --split`` with the training run's split flags."""
+    from marlhf.config import BaseArgs
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", default=None, help="json/jsonl/parquet file with a 'prompt' per row")
+    src.add_argument("--data_path", nargs="+", default=None, help="Dataset specs as in training")
+    p.add_argument("--split", default="eval", choices=("eval", "train"), help="With --data_path: which prompts")
+    p.add_argument("--data_split", default=BaseArgs.data_split)
+    p.add_argument("--data_seed", type=int, default=BaseArgs.seed, help="The training run's --seed (data split)")
+    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
+    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
+    p.add_argument("--max_prompts", type=int, default=0, help="Use the first N prompts (0: all)")
+
+
+def load_prompts(args) -> list[Prompt]:
+    if args.prompts:
+        prompts = prompts_from_file(args.prompts)
+    else:
+        prompts = prompts_from_dataset(args.data_path, args.split, data_split=args.data_split, seed=args.data_seed,
+                                       eval_fraction=args.eval_fraction, bad_rows=args.bad_rows)
+    if args.max_prompts < 0:
+        raise ConfigError(f"--max_prompts must be >= 0, got {args.max_prompts}")
+    return prompts[:args.max_prompts] if args.max_prompts else prompts
