@@ -8,6 +8,7 @@ both — these check plumbing on real special tokens, not learning.  Without the
 skipped with the reason shown (pytest -rs)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -88,11 +89,24 @@ def test_every_step_records_and_reads_back_the_format(runs, prompt_format):
     for step in ("rm", "ppo"):  # no format flag after step 1: both read the actor folder's record
         assert f"prompt format {prompt_format}, end-of-answer token '<|im_end|>' (recorded with the model)" in \
             (runs / step / "train.log").read_text(), step
-    assert "the paper's Table 5 value" in (runs / "sft" / "train.log").read_text()
     for folder in ("sft", "ppo/actor"):
         cfg = json.loads((runs / folder / "config.json").read_text())
         assert cfg["use_cache"] is True and cfg["pad_token_id"] not in (IM_END, None)
         assert IM_END in json.loads((runs / folder / "generation_config.json").read_text())["eos_token_id"]
+
+
+def test_real_model_defaults_are_the_papers_and_are_logged(runs):
+    """No learning rate given: each stage uses the paper's Table 5 value for SmolLM2's size class (not the
+    tiny model's 1e-3 / 1e-4) and says so; long HH prompts are truncated by default, in one summary line."""
+    logs = {step: (runs / step / "train.log").read_text() for step in ("sft", "rm", "ppo")}
+    for step, stage, lr in (("sft", "sft", "5e-05"), ("rm", "reward", "1e-05"), ("ppo", "actor", "1.5e-05"),
+                            ("ppo", "critic", "1.5e-05")):
+        assert f"{stage} learning rate {lr}: no learning rate given, 134.5M parameters -> the paper's Table 5 " \
+               "value for up to 4B (Gemma-2B) parameters" in logs[step], stage
+    for step, phase, limit in (("sft", 1, "max_seq_len"), ("rm", 2, "max_seq_len"), ("ppo", 3, "max_prompt_seq_len")):
+        line = re.search(rf"phase {phase} data: .*prompts over --{limit} .*", logs[step])
+        assert line and re.search(r"\(longest \d+ tokens\): \d+ truncated", line[0]), step
+        assert "skipped" not in line[0].replace("no rows skipped", ""), line[0]
 
 
 def test_max_steps_mid_epoch_still_runs_the_final_evaluation(runs):
@@ -132,6 +146,9 @@ def test_training_ids_match_the_exported_actors_format_and_end_with_the_end_toke
 def test_generation_stops_at_the_end_token(runs, prompt_format):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from marlhf.generation import GenerationConfig, sample
+    from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids
+
     tok = AutoTokenizer.from_pretrained(runs / "ppo/actor")
     model = AutoModelForCausalLM.from_pretrained(runs / "ppo/actor").eval()
     ids = tok(exchange(tok, prompt_format, "What is 12 times 12?"), add_special_tokens=False, return_tensors="pt")
@@ -139,6 +156,13 @@ def test_generation_stops_at_the_end_token(runs, prompt_format):
         out = model.generate(**ids, do_sample=False, max_new_tokens=40)  # the exported generation config
     answer = out[0, ids["input_ids"].shape[1]:].tolist()
     assert answer[-1] == IM_END and len(answer) < 40, tok.decode(answer)
+    # step 3's path: the end token read from the folder -> stop ids -> the generation seam, same answer
+    ours, f = load_tokenizer_and_format(str(runs / "ppo/actor"), padding_side="left")
+    stop_ids = stop_token_ids(ours, f.end_of_conversation_token)
+    assert stop_ids == [IM_END]
+    s = sample(model, ids["input_ids"], ids["attention_mask"],
+               GenerationConfig(max_new_tokens=40, stop_ids=tuple(stop_ids), pad_id=ours.pad_token_id, do_sample=False))
+    assert s.ended.tolist() == [True] and s.answers[0, :int(s.lengths[0])].tolist() == answer
     rows = [m for m in read_metrics(runs / "ppo") if "train/eos_rate" in m]
     assert len(rows) == 1 and 0 <= rows[0]["train/eos_rate"] <= 1
 
