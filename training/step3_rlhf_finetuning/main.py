@@ -16,7 +16,7 @@ from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.errors import ConfigError, run_cli
-from marlhf.models.loading import load_tokenizer_and_format
+from marlhf.models.loading import run_tokenizer
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import gold_scorer_for, ptx_items
 from marlhf.rlhf.trainer import MAPPOTrainer, evaluate_policy
@@ -30,10 +30,7 @@ def main(argv=None):
     setup_run(args)
     # 1. tokenizer (left padding for generation) and the RLHF share of the prompts
     #    (end-of-answer token and prompt format: the flags, else what step 1 recorded in the actor's folder)
-    tokenizer, fmt = load_tokenizer_and_format(args.actor_model_name_or_path, args.end_of_conversation_token,
-                                               args.prompt_format, padding_side="left",
-                                               add_eot_token=args.add_eot_token)
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    tokenizer, fmt = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
     check_same_format(fmt, args.critic_model_name_or_path, args.reward_model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=3)
     _, total_steps = plan_steps(len(data.train), args.per_device_generation_batch_size, args.generation_batches,
