@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
-from marlhf.models.loading import load_tokenizer_and_format  # noqa: E402
+from marlhf.models.loading import run_tokenizer  # noqa: E402
 from marlhf.rlhf.macro import macro_lengths  # noqa: E402
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
 from marlhf.rlhf.rollout import Experience, macro_advantages  # noqa: E402
@@ -123,9 +123,7 @@ def build(cli) -> tuple:
             "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--disable_progress_bar"])
         dist.init_distributed()
         dist.set_seed(args.seed)
-        tok, fmt = load_tokenizer_and_format(model_dir, args.end_of_conversation_token, args.prompt_format,
-                                             padding_side="left")
-        args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+        tok, _ = run_tokenizer(args, model_dir, padding_side="left")
         prompts = build_phase_data(args, tok, phase=3).train[:cli.batch]
     batch = PromptCollator(tok.pad_token_id)(prompts)
     rlhf = build_rlhf_engine(args, tok, total_steps=100)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from marlhf.config import RLHFArgs, parse_args
-from marlhf.models.loading import load_tokenizer_and_format
+from marlhf.models.loading import run_tokenizer
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.rollout import Experience
 from marlhf.rlhf.trainer import MAPPOTrainer
@@ -44,9 +44,7 @@ def rlhf_args(nano, out, **flags) -> RLHFArgs:
 def make_trainer(args, reward=None) -> MAPPOTrainer:
     """Fresh engines; the critic's new value head is initialised from the same seed every time."""
     dist.init_distributed()
-    tok, fmt = load_tokenizer_and_format(args.actor_model_name_or_path, args.end_of_conversation_token,
-                                         args.prompt_format, padding_side="left")
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    tok, _ = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
     dist.set_seed(args.seed)
     rlhf = build_rlhf_engine(args, tok, total_steps=4)
     return MAPPOTrainer(args, rlhf, tok, reward=reward)

@@ -64,11 +64,10 @@ def eval_items(work: Path, args_cls, phase: int) -> list[dict]:
     """The held-out examples the run evaluated on, read through the pipeline (its cache is warm by now)."""
     from marlhf.config import parse_args
     from marlhf.data.pipeline import build_phase_data
-    from marlhf.models.loading import load_tokenizer_and_format
+    from marlhf.models.loading import run_tokenizer
 
     args, _ = parse_args(args_cls, run_argv(work, "unused"))
-    tok, fmt = load_tokenizer_and_format(args.model_name_or_path, args.end_of_conversation_token, args.prompt_format)
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    tok, _ = run_tokenizer(args, args.model_name_or_path)
     items = build_phase_data(args, tok, phase).eval
     assert len(items) == 16
     return items

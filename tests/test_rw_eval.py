@@ -27,12 +27,12 @@ def reward_model(tmp_path_factory):
     return out
 
 
-def direct_score(model_dir, prompt: str, response: str) -> float:
+def direct_score(model_dir, prompt: str, response: str, eot: str = EOT) -> float:
     """Reference: one unpadded sequence through sequence_scores, with the end-of-conversation token appended
     as in training (rw_eval batches and right-pads; the score must not depend on that)."""
-    tok = load_tokenizer(str(model_dir), EOT)
+    tok = load_tokenizer(str(model_dir), eot)
     model = load_value_model(str(model_dir), tok).eval()
-    enc = tok(prompt + response + EOT, return_tensors="pt")
+    enc = tok(prompt + response + eot, return_tensors="pt")
     with torch.no_grad():
         return sequence_scores(model, enc["input_ids"], enc["attention_mask"]).item()
 
@@ -49,6 +49,19 @@ def test_prompt_and_responses_print_the_direct_scores(reward_model, capsys):
     assert abs(expected[0] - expected[1]) > 1e-3  # the two responses really get different scores
     for (score, _), want in zip(printed, expected):
         assert float(score) == pytest.approx(want, abs=5.1e-5)  # printed with 4 decimals
+
+
+def test_end_token_is_read_from_the_model_folder(tmp_path, capsys):
+    """A reward model trained with another end token than its tokenizer's default (<|endoftext|>) records it
+    in conversation_format.json; rw_eval appends the recorded token without being told."""
+    from marlhf.data.formatting import ConversationFormat, write_format
+
+    rm = save_seeded_reward_model(tmp_path / "rm")
+    write_format(rm, ConversationFormat("</s>", "raw"))
+    assert load_main(RW_EVAL)(["--model_name_or_path", str(rm), "--prompt", PROMPT, "--response", SHORT]) == 0
+    score = float(capsys.readouterr().out.split("\t")[0])
+    assert score == pytest.approx(direct_score(rm, PROMPT, SHORT, eot="</s>"), abs=5.1e-5)
+    assert abs(score - direct_score(rm, PROMPT, SHORT)) > 1e-3  # the tokenizer's default scores elsewhere
 
 
 def test_prompt_without_response_is_a_usage_error(reward_model, capsys):

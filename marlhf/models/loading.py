@@ -67,6 +67,17 @@ def load_tokenizer_and_format(path: str, end_of_conversation_token: str = "", pr
     return tok, fmt
 
 
+def run_tokenizer(args, path: str, padding_side: str = "right"):
+    """(tokenizer, format) of a training run's model folder: :func:`load_tokenizer_and_format` with the run's
+    ``--end_of_conversation_token``, ``--prompt_format`` and ``--add_eot_token``.  The resolved token and format
+    are written back into ``args``, so the data pipeline, the trainer and the saved args.json use the values
+    actually in force rather than the flags' empty / "auto" defaults."""
+    tok, fmt = load_tokenizer_and_format(path, args.end_of_conversation_token, args.prompt_format,
+                                         padding_side=padding_side, add_eot_token=args.add_eot_token)
+    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    return tok, fmt
+
+
 def _plain_tokenizer(path: str, end_of_conversation_token: str, add_eot_token: bool):
     tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
     if add_eot_token and end_of_conversation_token and end_of_conversation_token not in tok.get_vocab():

@@ -11,7 +11,7 @@ import sys
 from marlhf.config import SFTArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer_and_format
+from marlhf.models.loading import apply_lora, load_causal_lm, run_tokenizer
 from marlhf.supervised import sft_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -22,9 +22,7 @@ def main(argv=None):
     setup_run(args)
     # 1. tokenizer and the SFT share of the data (tokenized once, cached under --data_output_path)
     #    (end-of-answer token and prompt format: the flags, else the model folder's own; recorded on export)
-    tokenizer, fmt = load_tokenizer_and_format(args.model_name_or_path, args.end_of_conversation_token,
-                                               args.prompt_format, add_eot_token=args.add_eot_token)
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=1)
     # 2. the policy, optionally with LoRA adapters
     model = load_causal_lm(args.model_name_or_path, tokenizer, args.dropout,

@@ -12,7 +12,7 @@ import sys
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_tokenizer_and_format, load_value_model
+from marlhf.models.loading import apply_lora, load_value_model, run_tokenizer
 from marlhf.supervised import reward_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -22,9 +22,7 @@ def main(argv=None):
     args, _ = parse_args(RewardArgs, argv)
     setup_run(args)
     # 1. tokenizer and the reward-model share of the data: (chosen, rejected) pairs
-    tokenizer, fmt = load_tokenizer_and_format(args.model_name_or_path, args.end_of_conversation_token,
-                                               args.prompt_format, add_eot_token=args.add_eot_token)
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue)
     model = load_value_model(args.model_name_or_path, tokenizer, args.dropout)

@@ -20,7 +20,7 @@ from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.errors import run_cli
 from marlhf.eval.policy import evaluate_policy
-from marlhf.models.loading import load_tokenizer_and_format
+from marlhf.models.loading import run_tokenizer
 from marlhf.rewards import build_reward_source, evaluation_sources, require_meta
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import ptx_items
@@ -35,10 +35,7 @@ def main(argv=None):
     setup_run(args)
     # 1. tokenizer (left padding for generation) and the RLHF share of the prompts
     #    (end-of-answer token and prompt format: the flags, else what step 1 recorded in the actor's folder)
-    tokenizer, fmt = load_tokenizer_and_format(args.actor_model_name_or_path, args.end_of_conversation_token,
-                                               args.prompt_format, padding_side="left",
-                                               add_eot_token=args.add_eot_token)
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
+    tokenizer, fmt = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
     check_same_format(fmt, args.critic_model_name_or_path, args.reward_model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=3)
     if args.reward_source == "program_tests":  # each prompt's unit tests must have come through the cache
