@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="Step-3 PPO steps per run (default 40).")
     p.add_argument("--eval_interval", type=int, help="Held-out evaluation every k steps (default 5).")
     p.add_argument("--eval_samples", type=int, help="Held-out prompts per evaluation (default 64).")
+    p.add_argument("--step3_args", default="", help="Extra flags for every step-3 run (e.g. '--kl_ctl 0.05'), after "
+                   "the launch script's and before the variant's.")
     p.add_argument("--sft", help="SFT model to start from (default: run step 1 under --out/base).")
     p.add_argument("--rm", help="Reward model (default: run step 2 under --out/base).")
     p.add_argument("--report", default=str(REPO / "docs" / "results.md"), help="Markdown report to write.")
@@ -114,7 +116,8 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
 def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str) -> tuple[list[str], dict]:
     variant = sweep.VARIANTS[spec.variant]
     reward_flags, _ = sweep.REWARDS[spec.reward]
-    extra = [*variant.flags, *reward_flags, "--seed", str(spec.seed), "--data_seed", "1234",
+    extra = [*shlex.split(args.step3_args), *variant.flags, *reward_flags, "--seed", str(spec.seed),
+             "--data_seed", "1234",
              "--max_steps", str(args.steps), "--eval_interval", str(args.eval_interval),
              "--max_eval_samples", str(args.eval_samples), "--save_steps", str(args.eval_interval), "--resume"]
     if spec.reward == "gold":  # the critic learns gold returns from a new head on the SFT model (a reward
