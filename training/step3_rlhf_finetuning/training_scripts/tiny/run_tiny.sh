@@ -10,7 +10,7 @@
 #   CRITIC_MODEL_PATH  reward model (default ./output/tiny/step2; empty = embedded model + new head)
 #   TERMINATION        macro-action rule: fixed (default) | randomized | ppl | parsing | word
 #   NGRAM              n of the fixed rule (default 5; 1 = vanilla PPO, inf = one action per answer)
-#   KL_CTL             KL coefficient (default 0.05)
+#   KL_CTL             KL coefficient (default 0.5; Table 5's 0.05 over-optimises the tiny reward model)
 #   DATA_PATH          --data_path value(s), space-separated (default synthetic, e.g. synthetic:seed=7)
 #   TASK               synthetic (the only task of the tiny scripts; point DATA_PATH elsewhere instead)
 #   NUM_GPUS           ranks per node (default 1)
@@ -32,13 +32,17 @@ CRITIC_MODEL_PATH=${CRITIC_MODEL_PATH-./output/tiny/step2}  # set but empty: emb
 # Small enough for 2 CPU cores: prompts <= 192 and answers <= 64 tokens, 16 prompts per PPO step, a
 # capped number of steps over the PPO share (4 of 2,4,4) of the synthetic prompts, and held-out
 # evaluation of the SFT and final policies on 64 prompts.  The PPO values are Table 5's (clip 0.2,
-# lambda 0.95, gamma 1, KL 0.05, temperature 0.8, top-k 50); learning rates suit the tiny model.
+# lambda 0.95, gamma 1, temperature 0.8, top-k 50) except the KL coefficient; learning rates suit the
+# tiny model.  KL 0.5, not 0.05: the tiny reward model ranks ~80% of held-out pairs right, and against it
+# 60 steps at KL 0.05 raise its score 1.17 -> 2.95 while the gold score falls 0.72 -> 0.64 (invented and
+# repeated facts); at KL 0.2 gold goes 0.71 -> 0.68, at KL 0.5 0.71 -> 0.74 with more key facts covered
+# (one run each, same SFT and reward model, 64 held-out prompts; README "Quick start").
 PPO_BATCH=16
 EPOCHS=1
-MAX_STEPS=60   # not yet re-measured on task version 2 (issue 10); SFT gold 0.71 on 64 held-out prompts
+MAX_STEPS=60
 ACTOR_LR=1e-4
 CRITIC_LR=1e-4
-KL_CTL=${KL_CTL:-0.05}
+KL_CTL=${KL_CTL:-0.5}
 WARMUP_STEPS=3
 MAX_EVAL_SAMPLES=64
 PRINT_INTERVAL=10

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Held-out pair accuracy and time of step 2 (reward model) of the tiny launch script, over seeds and settings.
+
+Step 2 of the quick start is ``training/step2_reward_model_finetuning/training_scripts/tiny/run_tiny.sh``;
+this runs that exact script from one step-1 model (so the SFT cost is paid once) for every setting x seed,
+with the setting's flags appended through EXTRA_ARGS (argparse keeps the last value of a repeated flag),
+and reports per run the held-out pair accuracy, the mean chosen / rejected score and the wall time, then
+per setting the mean, min and spread of the accuracy over the seeds.
+
+The held-out labels carry the task's label noise too (a flipped pair counts against a perfect model), so
+the report also gives the *label ceiling*: the share of the first --max_eval held-out pairs whose chosen
+answer really has the higher gold score (~0.90 at label noise 0.1).
+
+    python scripts/bench_reward_model.py --sft runs/quickstart/step1 --seeds 1 2 3 \\
+        --setting base: --setting "e4:--num_train_epochs=4" --out bench_results/reward_model.json
+
+A setting is NAME:FLAGS (FLAGS space-separated main.py flags in the --flag=value form, empty = the launch
+script's defaults); ``--from_scratch`` starts the RM from the embedded tiny model instead of --sft.  Run it
+under the heavy lock on a shared machine: each run is ~2 min on 2 CPU cores.  Writes the JSON report to
+--out and a markdown table next to it (same name, .md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+SCRIPT = REPO / "training" / "step2_reward_model_finetuning" / "training_scripts" / "tiny" / "run_tiny.sh"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sft", required=True, help="Step-1 model folder the reward model starts from.")
+    p.add_argument("--from_scratch", action="store_true", help="Start from the embedded tiny model instead.")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="--seed of each run.")
+    p.add_argument("--setting", action="append", default=[],
+                   help="NAME:FLAGS, repeatable (default one setting 'default' = the launch script's values).")
+    p.add_argument("--data_path", default="", help="DATA_PATH of the launch script (default its synthetic).")
+    p.add_argument("--work_dir", default="runs/bench_reward_model", help="Where the runs' models go.")
+    p.add_argument("--keep_models", action="store_true", help="Keep each run's model (default: deleted).")
+    p.add_argument("--max_eval", type=int, default=256, help="Held-out pairs the label ceiling is computed on "
+                   "(the launch script's MAX_EVAL_SAMPLES).")
+    p.add_argument("--out", default="bench_results/reward_model.json")
+    return p.parse_args(argv)
+
+
+def parse_setting(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition(":")
+    if not sep or not name:
+        raise SystemExit(f"--setting must be NAME:FLAGS (got {text!r})")
+    flags = flags.split()
+    bad = [f for f in flags if not f.startswith("--") or "=" not in f]
+    if bad:
+        raise SystemExit(f"--setting {name}: flags must be --flag=value, got {bad}")
+    return name, flags
+
+
+def label_ceiling(max_eval: int) -> float:
+    """Share of the first ``max_eval`` held-out synthetic pairs whose label agrees with the gold scorer."""
+    from marlhf.data.adapters import load_records
+    from marlhf.data.synthetic import gold_score
+
+    records = load_records("synthetic", split="test")[:max_eval]
+    agree = sum(gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected) for r in records)
+    return agree / len(records)
+
+
+def final_eval(folder: Path) -> dict:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if not evals:
+        raise SystemExit(f"{folder}/metrics.jsonl has no eval/accuracy row")
+    last = evals[-1]
+    return {"accuracy": last["eval/accuracy"], "chosen_score": last.get("eval/chosen_score"),
+            "rejected_score": last.get("eval/rejected_score"), "steps": last["step"],
+            "accuracy_curve": [(r["step"], r["eval/accuracy"]) for r in evals]}
+
+
+def run_one(sft: str, data_path: str, flags: list[str], seed: int, out: Path) -> dict:
+    env = dict(os.environ, MODEL_PATH=sft, EXTRA_ARGS=" ".join([f"--seed={seed}", *flags]))
+    if data_path:
+        env["DATA_PATH"] = data_path
+    env.setdefault("PYTHONPATH", str(REPO))
+    t0 = time.time()
+    proc = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seconds = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"step 2 failed (exit {proc.returncode}); see {out}/training.log")
+    return {"seed": seed, "seconds": round(seconds, 1), **final_eval(out)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    acc = [r["accuracy"] for r in runs]
+    return {"accuracy_mean": statistics.mean(acc), "accuracy_min": min(acc), "accuracy_max": max(acc),
+            "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+            "seconds_mean": statistics.mean(r["seconds"] for r in runs)}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Step 2 (tiny launch script) from `{report['sft']}` on `{report['data_path']}`; "
+             f"held-out pairs: {report['max_eval']}, "
+             f"label ceiling {report['label_ceiling']:.3f}; seeds {report['seeds']}.", "",
+             "| setting | flags | accuracy per seed | mean | min | s / run |", "|---|---|---|---:|---:|---:|"]
+    for s in report["settings"]:
+        per_seed = ", ".join(f"{r['accuracy']:.3f}" for r in s["runs"])
+        lines.append(f"| {s['name']} | `{' '.join(s['flags']) or '(script defaults)'}` | {per_seed} | "
+                     f"{s['summary']['accuracy_mean']:.3f} | {s['summary']['accuracy_min']:.3f} | "
+                     f"{s['summary']['seconds_mean']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = [parse_setting(s) for s in args.setting] or [("default", [])]
+    sft = "" if args.from_scratch else str(Path(args.sft).resolve())
+    if sft and not (Path(sft) / "config.json").exists():
+        raise SystemExit(f"--sft {args.sft}: no config.json there (a step-1 output folder is expected)")
+    work = Path(args.work_dir).resolve()
+    report = {"sft": sft or "embedded tiny model", "data_path": args.data_path or "synthetic",
+              "seeds": args.seeds, "max_eval": args.max_eval,
+              "label_ceiling": label_ceiling(args.max_eval), "machine": platform.platform(),
+              "cpus": os.cpu_count(), "settings": []}
+    print(f"label ceiling on the first {args.max_eval} held-out pairs: {report['label_ceiling']:.3f}", flush=True)
+    for name, flags in settings:
+        runs = []
+        for seed in args.seeds:
+            out = work / f"{name}-seed{seed}"
+            run = run_one(sft, args.data_path, flags, seed, out)
+            runs.append(run)
+            print(f"{name} seed {seed}: accuracy {run['accuracy']:.3f} (curve {run['accuracy_curve']}), "
+                  f"chosen {run['chosen_score']:.2f} / rejected {run['rejected_score']:.2f}, "
+                  f"{run['seconds']:.0f} s", flush=True)
+            if not args.keep_models:
+                for f in ("model.safetensors",):
+                    (out / f).unlink(missing_ok=True)
+        summary = summarize(runs)
+        report["settings"].append({"name": name, "flags": flags, "runs": runs, "summary": summary})
+        print(f"== {name}: accuracy mean {summary['accuracy_mean']:.3f} min {summary['accuracy_min']:.3f} "
+              f"(std {summary['accuracy_std']:.3f}), {summary['seconds_mean']:.0f} s per run", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"\n{markdown(report)}\nwritten: {out}, {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
