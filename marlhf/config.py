@@ -156,6 +156,13 @@ class RewardArgs(SupervisedArgs):
 
     learning_rate: float | None = opt(None, "Peak learning rate (default: 5e-4 for the embedded tiny model, the "
                                       "paper's Table 5 value for the model's size class otherwise).")
+    label_smoothing: float = opt(0.0, "ε of the pairwise loss −(1−ε) log σ(Δ) − ε log σ(−Δ): the share of pairs "
+                                 "assumed mislabelled (0 = the plain Bradley–Terry loss).")
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
 @dataclass

@@ -7,6 +7,7 @@ evaluated as accuracy and mean chosen / rejected scores.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -62,10 +63,19 @@ def sft_evaluate(model, loader) -> dict:
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-def reward_loss(model, batch: dict):
+def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Bradley–Terry loss −log σ(r⁺ − r⁻), averaged over pairs.  With label smoothing ε each pair counts as
+    chosen-better with probability 1 − ε: −(1 − ε) log σ(Δ) − ε log σ(−Δ).  For preference labels flipped at
+    rate ε this is the matched likelihood; the plain loss keeps pushing Δ of a flipped pair towards −∞ and so
+    learns the noise on a second pass over the data."""
+    delta = (chosen - rejected).float()
+    return -((1 - label_smoothing) * F.logsigmoid(delta) + label_smoothing * F.logsigmoid(-delta)).mean()
+
+
+def reward_loss(model, batch: dict, label_smoothing: float = 0.0):
     scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])  # (2B,)
     chosen, rejected = scores.chunk(2)
-    loss = -F.logsigmoid(chosen - rejected).mean()
+    loss = pairwise_loss(chosen, rejected, label_smoothing)
     return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item()}
 
 
@@ -98,8 +108,9 @@ def sft_objective(pad_id: int) -> Objective:
     return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate, sft_count)
 
 
-def reward_objective(pad_id: int) -> Objective:
-    return Objective("reward", PairCollator(pad_id), reward_loss, reward_evaluate, pair_count)
+def reward_objective(pad_id: int, label_smoothing: float = 0.0) -> Objective:
+    loss = functools.partial(reward_loss, label_smoothing=label_smoothing) if label_smoothing else reward_loss
+    return Objective("reward", PairCollator(pad_id), loss, reward_evaluate, pair_count)
 
 
 def _to_device(batch: dict) -> dict:

@@ -200,3 +200,25 @@ def test_bf16_with_linear_warmup_schedule(embedded, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert next(model.parameters()).dtype == torch.bfloat16  # exported in the dtype it trained in
+
+
+def test_pairwise_loss_with_label_smoothing_against_a_loop():
+    """−(1−ε) log σ(Δ) − ε log σ(−Δ) per pair, averaged; ε = 0 is the plain Bradley–Terry loss.  Under label
+    smoothing the loss is minimised at a finite margin, log((1−ε)/ε), instead of pushing Δ → ∞."""
+    import math
+
+    import torch
+
+    from marlhf.supervised import pairwise_loss
+
+    chosen, rejected = torch.tensor([1.0, -0.5, 3.0, 0.2]), torch.tensor([0.0, 0.5, -1.0, 0.2])
+    for eps in (0.0, 0.1, 0.3):
+        ref = 0.0
+        for c, r in zip(chosen.tolist(), rejected.tolist()):
+            d = c - r
+            ref += -(1 - eps) * math.log(1 / (1 + math.exp(-d))) - eps * math.log(1 / (1 + math.exp(d)))
+        assert pairwise_loss(chosen, rejected, eps).item() == pytest.approx(ref / 4, rel=1e-6)
+    delta = torch.linspace(0, 6, 6001)
+    losses = torch.stack([pairwise_loss(d[None], torch.zeros(1), 0.1) for d in delta])
+    best = delta[losses.argmin()]
+    assert best.item() == pytest.approx(math.log(0.9 / 0.1), abs=2e-3)
