@@ -286,3 +286,37 @@ def test_only_gae_needs_a_critic():
     assert not any(needs_critic(e) for e in ("rloo", "grpo", "reinforce"))
     with pytest.raises(ValueError, match="advantage_estimator"):
         needs_critic("ppo")
+
+
+# ---------------------------------------------------------------- the step-3 flags
+def test_step3_flags_parse_and_validate():
+    from marlhf.config import RLHFArgs, parse_args
+
+    args, _ = parse_args(RLHFArgs, [])
+    assert (args.advantage_estimator, args.num_samples_per_prompt, args.kl_penalty, args.grpo_normalization) == \
+        ("gae", 1, "reward", "std")
+    args, _ = parse_args(RLHFArgs, ["--advantage_estimator", "grpo", "--num_samples_per_prompt", "4",
+                                    "--grpo_normalization", "none", "--kl_penalty", "loss",
+                                    "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "8"])
+    assert (args.advantage_estimator, args.num_samples_per_prompt, args.grpo_normalization, args.kl_penalty) == \
+        ("grpo", 4, "none", "loss")
+    # RLOO advantages with the macro ratio over 3-grams: meaningful
+    parse_args(RLHFArgs, ["--advantage_estimator", "rloo", "--num_samples_per_prompt", "2", "--policy_ratio", "macro",
+                          "--ngram", "3"])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--advantage_estimator", "rloo"], "needs --num_samples_per_prompt >= 2"),
+    (["--advantage_estimator", "reinforce", "--ngram", "3"], "add --policy_ratio macro"),
+    (["--advantage_estimator", "reinforce", "--termination_condition", "word"], "add --policy_ratio macro"),
+    (["--advantage_estimator", "reinforce", "--lam", "0.9"], "--gamma/--lam"),
+    (["--advantage_estimator", "reinforce", "--value_function", "position"], "--value_function position"),
+    # K samples per prompt multiply the experiences of a generation batch: 2 prompts x 3 = 6 < 8
+    (["--advantage_estimator", "grpo", "--num_samples_per_prompt", "3", "--per_device_generation_batch_size", "2",
+      "--per_device_training_batch_size", "8"], "cannot exceed the experiences collected"),
+])
+def test_step3_flags_reject_meaningless_combinations(argv, message):
+    from marlhf.config import RLHFArgs, parse_args
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_args(RLHFArgs, argv)
