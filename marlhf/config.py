@@ -151,6 +151,25 @@ class RewardArgs(SupervisedArgs):
 
 
 @dataclass
+class DPOArgs(SupervisedArgs):
+    """Step 2 alternative: DPO / IPO of the SFT policy on the reward model's preference pairs (paper App. C.3)."""
+
+    learning_rate: float | None = opt(None, "Peak learning rate (default: 1e-4 for the embedded tiny model, the "
+                                      "paper's C.3 value 2e-7 otherwise).")
+    ref_model_name_or_path: str = opt("", "The frozen reference model (default: --model_name_or_path, the SFT "
+                                      "model the policy starts from).")
+    beta: float = opt(0.1, "β of DPO/IPO: how far the policy may move from the reference (paper C.3: 0.1 on "
+                      "TL;DR, 0.01 on HH-RLHF).")
+    dpo_loss: str = opt("sigmoid", "sigmoid: DPO's -log σ(β h); ipo: IPO's (h - 1/(2β))², h the chosen-minus-"
+                        "rejected log-ratio margin.", choices=("sigmoid", "ipo"))
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.beta > 0:
+            raise ValueError(f"--beta must be > 0, got {self.beta}")
+
+
+@dataclass
 class RLHFArgs(BaseArgs):
     """Step 3: MA-PPO (PPO over macro actions; n = 1 is vanilla PPO, n = ∞ one action per response)."""
 
