@@ -298,12 +298,6 @@ class RLHFArgs(BaseArgs):
                                  f"{self.gradient_accumulation_steps} (a token mean over a window that spans two "
                                  f"updates cannot be known in advance); change the batch sizes or use "
                                  f"--loss_aggregation microbatch_mean")
-        # issue 11 phase B wires the estimators into the step-3 engine; until then a run that asks for them
-        # must not silently train macro GAE with a critic instead
-        if (self.advantage_estimator, self.num_samples_per_prompt, self.kl_penalty) != ("gae", 1, "reward"):
-            raise ValueError("--advantage_estimator other than gae, --num_samples_per_prompt > 1 and --kl_penalty "
-                             "loss are not used by the step-3 trainer yet (the estimators are in "
-                             "marlhf/rlhf/estimators.py); run without them")
 
     def validate_estimator(self) -> None:
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""
