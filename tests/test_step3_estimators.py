@@ -128,3 +128,24 @@ def test_critic_free_run_saves_no_critic_and_resumes_exactly(nano, tmp_path):  #
     assert any(not torch.equal(a[k], init[k]) for k in a if k in init)  # the actor trained
     assert [r["step"] for r in train_rows(stopped)] == [2]
     assert not (stopped / "critic").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_grpo_keeps_groups_on_their_rank(nano, tmp_path):  # noqa: F811
+    """GRPO with K = 2 on 2 ranks: each rank samples K answers to its own prompts and estimates their
+    advantages before micro-batching (micro-batch 1 cuts every group; a partial group at estimation would
+    raise), so the run completes, and it saves and exports no critic."""
+    from conftest import deepspeed_cmd, run_launcher
+
+    run_launcher([*deepspeed_cmd(2, 29693), str(STEP3),
+                  *step3_argv(nano, tmp_path, "--advantage_estimator", "grpo", "--num_samples_per_prompt", "2",
+                              "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "1",
+                              "--max_steps", "2", "--save_steps", "2")], timeout=600)
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert "train/critic_loss" not in r
+        assert torch.isfinite(torch.tensor(r["train/actor_loss"]))
+        assert 0.0 <= r["train/zero_adv_frac"] <= 1.0
+    assert not (tmp_path / "critic").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints/step00000002").iterdir() if p.is_dir()) == ["actor"]
