@@ -166,6 +166,25 @@ class RewardArgs(SupervisedArgs):
 
 
 @dataclass
+class DPOArgs(SupervisedArgs):
+    """Step 2 alternative: DPO / IPO of the SFT policy on the reward model's preference pairs (paper App. C.3)."""
+
+    learning_rate: float | None = opt(None, "Peak learning rate (default: 1e-4 for the embedded tiny model, the "
+                                      "paper's C.3 value 2e-7 otherwise).")
+    ref_model_name_or_path: str = opt("", "The frozen reference model (default: --model_name_or_path, the SFT "
+                                      "model the policy starts from).")
+    beta: float = opt(0.1, "β of DPO/IPO: how far the policy may move from the reference (paper C.3: 0.1 on "
+                      "TL;DR, 0.01 on HH-RLHF).")
+    dpo_loss: str = opt("sigmoid", "sigmoid: DPO's -log σ(β h); ipo: IPO's (h - 1/(2β))², h the chosen-minus-"
+                        "rejected log-ratio margin.", choices=("sigmoid", "ipo"))
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.beta > 0:
+            raise ValueError(f"--beta must be > 0, got {self.beta}")
+
+
+@dataclass
 class RLHFArgs(BaseArgs):
     """Step 3: MA-PPO (PPO over macro actions; n = 1 is vanilla PPO, n = ∞ one action per response)."""
 
@@ -248,6 +267,19 @@ class RLHFArgs(BaseArgs):
                               "(results do not depend on it).")
     print_answers: bool = opt(False, "Print a sample prompt/answer every --print_answers_interval steps.")
     print_answers_interval: int = opt(1, "Steps between printed answers.")
+    # --- advantage estimator (issue 11; marlhf/rlhf/estimators.py says which combinations are meaningful) ---
+    advantage_estimator: str = opt("gae", "gae: macro GAE with a critic (MA-PPO); rloo: leave-one-out baseline over "
+                                   "the K samples of a prompt; grpo: (R - mean) / std over them; reinforce: batch-mean "
+                                   "baseline. The last three treat the response as one action and build no critic.",
+                                   choices=("gae", "rloo", "grpo", "reinforce"))
+    num_samples_per_prompt: int = opt(1, "K answers sampled per prompt (a group: generated, scored and given "
+                                      "advantages together on one rank); --per_device_generation_batch_size counts "
+                                      "prompts, so a generation batch holds that many x K experiences.")
+    grpo_normalization: str = opt("std", "grpo: divide the centred group returns by the group's std (GRPO), or not "
+                                  "('none': Dr. GRPO, Liu et al. 2025).", choices=("std", "none"))
+    kl_penalty: str = opt("reward", "The β = --kl_ctl KL penalty: per token in the reward (-β(logπ - logπ_ref), "
+                          "DeepSpeed-Chat / the paper), or as a loss term β·KL (k3 estimator per token, GRPO).",
+                          choices=("reward", "loss"))
 
     def validate(self) -> None:
         super().validate()
@@ -259,11 +291,13 @@ class RLHFArgs(BaseArgs):
             self.response_kind = "code" if self.reward_source == "program_tests" or code_data else "text"
         if self.reward_workers < 1:
             raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
-        if self.per_device_training_batch_size > self.per_device_generation_batch_size * self.generation_batches:
+        self.validate_estimator()
+        gen_rows = self.per_device_generation_batch_size * self.num_samples_per_prompt  # experiences per batch
+        if self.per_device_training_batch_size > gen_rows * self.generation_batches:
             raise ValueError("--per_device_training_batch_size cannot exceed the experiences collected per update "
-                             "(--per_device_generation_batch_size x --generation_batches)")
+                             "(--per_device_generation_batch_size x --num_samples_per_prompt x --generation_batches)")
         if self.loss_aggregation == "token_mean" and self.gradient_accumulation_steps > 1:
-            micro = math.ceil(self.per_device_generation_batch_size / self.per_device_training_batch_size)
+            micro = math.ceil(gen_rows / self.per_device_training_batch_size)
             micro *= self.generation_batches * self.ppo_epochs
             if micro % self.gradient_accumulation_steps:
                 raise ValueError(f"--loss_aggregation token_mean needs each PPO update's {micro} micro-batches to "
@@ -271,6 +305,19 @@ class RLHFArgs(BaseArgs):
                                  f"{self.gradient_accumulation_steps} (a token mean over a window that spans two "
                                  f"updates cannot be known in advance); change the batch sizes or use "
                                  f"--loss_aggregation microbatch_mean")
+
+    def validate_estimator(self) -> None:
+        """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""
+        from marlhf.rlhf.estimators import check_estimator_options
+
+        defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
+        check_estimator_options(
+            estimator=self.advantage_estimator, num_samples_per_prompt=self.num_samples_per_prompt,
+            kl_penalty=self.kl_penalty, grpo_normalization=self.grpo_normalization, policy_ratio=self.policy_ratio,
+            termination_changed=(self.termination_condition != defaults["termination_condition"]
+                                 or self.ngram_n != RLHFArgs(ngram=defaults["ngram"]).ngram_n),
+            value_function=self.value_function, macro_reward=self.macro_reward, gamma=self.gamma,
+            lam_changed=self.lam != defaults["lam"], whiten_advantages=self.whiten_advantages)
 
     @property
     def ngram_n(self) -> int | None:

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from marlhf.config import BaseArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
+from marlhf.config import BaseArgs, DPOArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINING = REPO / "training"
-STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning", 3: "step3_rlhf_finetuning"}
-STAGE_ARGS: dict[int, type[BaseArgs]] = {1: SFTArgs, 2: RewardArgs, 3: RLHFArgs}
+STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning", 3: "step3_rlhf_finetuning",
+             "dpo": "step2_dpo_finetuning"}  # DPO: step 2's alternative (App. C.3)
+STAGE_ARGS: dict[int | str, type[BaseArgs]] = {1: SFTArgs, 2: RewardArgs, 3: RLHFArgs, "dpo": DPOArgs}
 MULTI_NODE = TRAINING / "multi_node" / "run_gemma_7b_2nodes.sh"
 HOSTFILE_EXAMPLE = TRAINING / "multi_node" / "hostfile.example"
 COMMON = TRAINING / "launch_common.sh"  # sourced by every script: the shared launch machinery
@@ -213,14 +214,14 @@ def test_common_file_is_clean_sourced_bash():
         assert "/../../../launch_common.sh" in text or "/run_tiny.sh" in text, path
 
 
-@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("step", [1, 2, 3, "dpo"])
 def test_script_knobs_are_not_environment_overrides(step, tmp_path):
     """What a size script sets (DTYPE, OFFLOAD, LR, ...) cannot be changed by a stray exported variable."""
     knobs = ["DTYPE", "OFFLOAD", "GRADIENT_CHECKPOINTING", "EOS_TOKEN", "WARMUP_RATIO", "MAX_EVAL_SAMPLES",
              "MAX_STEPS", "DATA_SPLIT", "DATASET", "PROMPT_LEN", "ANSWER_LEN", "OUTPUT", "EPOCHS",
              "GLOBAL_BATCH", "LR", "PER_DEVICE", "ZERO_STAGE", "PPO_BATCH", "ACTOR_LR", "CRITIC_LR",
              "WARMUP_STEPS", "TRAIN_PER_DEVICE", "TEMPERATURE", "TOP_K", "PRINT_INTERVAL", "GRAD_ACCUM",
-             "GEN_PER_DEVICE", "WORLD", "FLAGS", "DEVICE", "ACTOR_ZERO_STAGE", "CRITIC_ZERO_STAGE"]
+             "GEN_PER_DEVICE", "WORLD", "FLAGS", "DEVICE", "ACTOR_ZERO_STAGE", "CRITIC_ZERO_STAGE", "BETA"]
     for rel in ("gemma/run_7b.sh", "tiny/run_tiny.sh"):
         _, clean = launch_and_parse(script(step, rel), tmp_path)
         _, noisy = launch_and_parse(script(step, rel), tmp_path, **dict.fromkeys(knobs, "1"))
@@ -240,11 +241,11 @@ def test_every_family_and_size_exists():
     common = ["tiny/run_tiny.sh", "tiny/run_tiny_2ranks.sh", "gemma/run_2b.sh", "gemma/run_7b.sh",
               "gemma2/run_27b.sh", "llama3.2/run_3b.sh"]
     code = ["codegemma/run_2b.sh", "codegemma/run_7b.sh"]
-    for step, rels in ((1, common + code), (2, common), (3, common + code)):
+    for step, rels in ((1, common + code), (2, common), (3, common + code), ("dpo", common)):
         for rel in rels:
             assert f"{STEP_DIRS[step]}/training_scripts/{rel}" in names
     # the code task has no reward model (B.2): no step-2 CodeGemma script
-    assert not script(2, "codegemma").exists()
+    assert not script(2, "codegemma").exists() and not script("dpo", "codegemma").exists()
 
 
 # -------------------------------------------------------------------------------------- Table 5: step 1
@@ -311,14 +312,14 @@ def test_sft_model_path_override(tmp_path):
     assert cfg.model_name_or_path == "/models/g7"
 
 
-@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("step", [1, 2, 3, "dpo"])
 def test_unknown_task_stops_before_launching(step, tmp_path):
     cases = (("gemma/run_2b.sh", "apps"), ("gemma/run_7b.sh", "summarize"), ("tiny/run_tiny.sh", "tldr"))
     for rel, task in cases:
         out = run(script(step, rel), tmp_path, TASK=task)
         assert out.returncode == 2 and out.argv is None, (rel, task)
         assert "TASK" in out.stderr
-    if step != 2:
+    if step in (1, 3):
         out = run(script(step, "codegemma/run_2b.sh"), tmp_path, TASK="tldr")
         assert out.returncode == 2 and "apps" in out.stderr
 
@@ -440,6 +441,49 @@ def test_codegemma_ppo_runs_with_program_tests(tmp_path):
         assert (cfg.reward_source, cfg.reward_model_name_or_path) == ("reward_model", "/models/code-rm")
         out = run(script(3, rel), tmp_path, REWARD_SOURCE="judge")
         assert out.returncode == 2 and "REWARD_SOURCE must be" in out.stderr
+
+
+# --------------------------------------------------------------------------------------- App. C.3: DPO
+DPO_SIZES = ["gemma/run_2b.sh", "gemma/run_7b.sh", "gemma2/run_27b.sh", "llama3.2/run_3b.sh"]
+DPO_BETA = {"tldr": 0.1, "hh": 0.01}  # C.3: β 0.1 on TL;DR, 0.01 on HH-RLHF; learning rate 2e-7
+
+
+@pytest.mark.parametrize("rel", DPO_SIZES)
+@pytest.mark.parametrize("task", sorted(DPO_BETA))
+def test_dpo_appendix_c3(rel, task, tmp_path):
+    _, cfg = launch_and_parse(script("dpo", rel), tmp_path, TASK=task)
+    assert (cfg.beta, cfg.learning_rate, cfg.dpo_loss, cfg.num_train_epochs) == (DPO_BETA[task], 2e-7, "sigmoid", 1)
+    assert cfg.lr_scheduler_type == "cosine" and cfg.dtype == "bf16" and cfg.warmup_ratio == 0.1
+    # C.3: the reward model's data and split, its batch of pairs, the SFT model as policy init and reference
+    rm_out, rm = launch_and_parse(script(2, rel), tmp_path, TASK=task)
+    assert (cfg.data_path, cfg.data_split, cfg.max_seq_len) == (rm.data_path, rm.data_split, rm.max_seq_len)
+    assert sft_batch(cfg) == sft_batch(rm)
+    step1 = parse(1, launch_ok(script(1, rel), tmp_path, TASK=task).flags, rel).output_dir
+    assert cfg.model_name_or_path == rm.model_name_or_path == step1 and cfg.ref_model_name_or_path == ""
+    assert cfg.output_dir == f"./output/{RUN_NAMES[rel]}/{task}/step2_dpo"
+    check_memory_settings(rel, cfg.zero_stage, cfg.offload, cfg.gradient_checkpointing)
+    # IPO on request
+    _, ipo = launch_and_parse(script("dpo", rel), tmp_path, TASK=task, DPO_LOSS="ipo")
+    assert ipo.dpo_loss == "ipo"
+
+
+def test_dpo_has_no_webgpt_beta(tmp_path):
+    out = run(script("dpo", "gemma/run_2b.sh"), tmp_path, TASK="webgpt")
+    assert out.returncode == 2 and out.argv is None and "no value for TASK=webgpt" in out.stderr
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("run_tiny.sh", 1), ("run_tiny_2ranks.sh", 2)])
+def test_tiny_dpo_scripts(name, ranks, tmp_path):
+    root = "tiny" if ranks == 1 else "tiny_2ranks"
+    out, cfg = launch_and_parse(script("dpo", f"tiny/{name}"), tmp_path)
+    _, rm = launch_and_parse(script(2, f"tiny/{name}"), tmp_path)
+    assert out.launcher_value("--num_gpus") == str(ranks)
+    assert (cfg.data_path, cfg.data_split, cfg.max_seq_len) == (rm.data_path, rm.data_split, rm.max_seq_len)
+    assert sft_batch(cfg, ranks) == sft_batch(rm, ranks) == 16
+    assert (cfg.model_name_or_path, cfg.output_dir) == (f"./output/{root}/step1", f"./output/{root}/step2_dpo")
+    assert (cfg.beta, cfg.learning_rate, cfg.zero_stage) == (0.1, 1e-4, 0 if ranks == 1 else 2)
+    embedded, cfg = launch_and_parse(script("dpo", f"tiny/{name}"), tmp_path, MODEL_PATH="")
+    assert "--model_name_or_path" not in embedded.flags and cfg.model_name_or_path == ""
 
 
 # ------------------------------------------------------------------------------------------ tiny scripts

@@ -6,7 +6,7 @@
 #   source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 #   text_task "Gemma 7B SFT"              # or code_task / tiny_task: TASK, DATASET, split, lengths
 #   OUTPUT=${1:-...}; LR=2e-5; ...        # that size's hyper-parameters (Table 5, MA-RLHF Appendix B.2)
-#   run_step 1                            # 1 = SFT, 2 = reward model, 3 = MA-PPO
+#   run_step 1                            # 1 = SFT, 2 = reward model, 3 = MA-PPO, dpo = DPO (step 2's alternative)
 #
 # The environment variables a user sets are listed in
 # training/step1_supervised_finetuning/training_scripts/README.md ("Environment variables").
@@ -21,13 +21,14 @@ die() { echo "error: $*" >&2; exit 2; }
 # ----------------------------------------------------------------------------- what a size script sets
 # Required, set by every size script before run_step:
 #   steps 1-2  OUTPUT, ZERO_STAGE, MODEL_PATH, GLOBAL_BATCH, EPOCHS, LR, PER_DEVICE (micro-batch per device)
+#   dpo        as steps 1-2, and BETA (DPO's β)
 #   step 3     OUTPUT, ACTOR_ZERO_STAGE, CRITIC_ZERO_STAGE, ACTOR_MODEL_PATH, CRITIC_MODEL_PATH, PPO_BATCH,
 #              EPOCHS, ACTOR_LR, CRITIC_LR, KL_CTL, WARMUP_STEPS, TRAIN_PER_DEVICE (experiences per device
 #              per PPO micro-batch)
 # Those that are not user overrides are unset here, so that a script forgetting one fails by name under
 # `set -u` instead of silently taking a value from the caller's environment.
 unset -v OUTPUT EPOCHS ZERO_STAGE GLOBAL_BATCH LR PER_DEVICE ACTOR_ZERO_STAGE CRITIC_ZERO_STAGE PPO_BATCH \
-    ACTOR_LR CRITIC_LR WARMUP_STEPS TRAIN_PER_DEVICE DATASET DATA_SPLIT PROMPT_LEN ANSWER_LEN
+    ACTOR_LR CRITIC_LR WARMUP_STEPS TRAIN_PER_DEVICE DATASET DATA_SPLIT PROMPT_LEN ANSWER_LEN BETA
 # Optional, with the value most scripts use.  Assigned here rather than read from the environment: only the
 # documented variables are overrides, so a stray exported DTYPE or OFFLOAD cannot change a run.
 EOS_TOKEN=""               # a hub model's end-of-text token; "" (tiny) keeps main.py's token and strict rows
@@ -210,6 +211,13 @@ ppo_flags() {
             --print_answers --print_answers_interval "$PRINT_INTERVAL" --deepspeed --output_dir "$OUTPUT")
 }
 
+# dpo_flags: DPO on the reward model's pairs takes steps 1-2's flags (the batch counts pairs), then β and the
+# loss (DPO_LOSS: sigmoid, the default, or ipo); the frozen reference is main.py's default, the SFT model.
+dpo_flags() {
+    supervised_flags
+    FLAGS+=(--beta "$BETA" --dpo_loss "${DPO_LOSS:-sigmoid}")
+}
+
 # ---------------------------------------------------------------------------------------------- launch
 # run_main MAIN_PY OUTPUT FLAG...: `deepspeed --num_gpus N --master_port P [--hostfile H --num_nodes M]
 # LAUNCHER_ARGS MAIN_PY FLAG... EXTRA_ARGS` (EXTRA_ARGS last, so its flags win), after resolve_world.  The
@@ -228,17 +236,23 @@ run_main() {
     "${launch[@]}" "${launcher_extra[@]}" "$main" "$@" "${extra[@]}" 2>&1 | tee "$LOG_FILE"
 }
 
-# run_step 1|2|3: the batch arithmetic, that step's flags from the size script's variables, and the launch
-# of training/step<k>_*/main.py.  GENERATION_BATCHES (step 3, default 1) splits a PPO batch's generation.
+# run_step 1|2|3|dpo: the batch arithmetic, that step's flags from the size script's variables, and the
+# launch of training/step<k>_*/main.py (dpo: training/step2_dpo_finetuning/main.py).  GENERATION_BATCHES
+# (step 3, default 1) splits a PPO batch's generation.
 run_step() {
     resolve_world
+    local dir=step2_dpo_finetuning
     case "$1" in
         1|2) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
+             dir=${STEP_DIRS[$1]}
              supervised_flags ;;
+        dpo) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
+             dpo_flags ;;
         3)   GEN_BATCHES=${GENERATION_BATCHES:-1}
+             dir=${STEP_DIRS[3]}
              ppo_batches "$PPO_BATCH" "$GEN_BATCHES" "$TRAIN_PER_DEVICE"
              ppo_flags ;;
         *)   die "run_step: no step '$1'" ;;
     esac
-    run_main "$TRAINING_DIR/${STEP_DIRS[$1]}/main.py" "$OUTPUT" "${FLAGS[@]}"
+    run_main "$TRAINING_DIR/$dir/main.py" "$OUTPUT" "${FLAGS[@]}"
 }

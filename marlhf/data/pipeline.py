@@ -29,7 +29,8 @@ from marlhf.utils import dist
 log = logging.getLogger("marlhf")
 
 PHASES = {1: "sft", 2: "reward", 3: "rlhf"}
-CACHE_VERSION = 2  # 2: phase-3 examples carry their record's meta
+CACHE_VERSION = 3  # 2: phase-3 examples carry their record's meta; 3: phase-2 pairs record where each
+#                   response starts (DPO)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -160,9 +161,11 @@ def _example(rec: Record, phase: int, fmt: PromptFormatter, max_seq_len: int, ma
         file, row = _where(rec)
         policy.handle(DataError(file, row, "rejected", "identical to 'chosen' (no preference to learn)"))
         return None
-    chosen, _ = encode_pair(fmt.tokenizer, text, rec.chosen, fmt.eot, max_seq_len, fmt, cut)
-    rejected, _ = encode_pair(fmt.tokenizer, text, rec.rejected, fmt.eot, max_seq_len, fmt, cut)
-    return {"chosen_ids": chosen, "rejected_ids": rejected}
+    chosen, chosen_start = encode_pair(fmt.tokenizer, text, rec.chosen, fmt.eot, max_seq_len, fmt, cut)
+    rejected, rejected_start = encode_pair(fmt.tokenizer, text, rec.rejected, fmt.eot, max_seq_len, fmt, cut)
+    # where each response starts: DPO scores log π(response | prompt) over the response tokens only
+    return {"chosen_ids": chosen, "rejected_ids": rejected, "chosen_start": chosen_start,
+            "rejected_start": rejected_start}
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 actor     = the SFT model, trained (own ZeRO stage, optional LoRA / gradient checkpointing / offload)
 reference = a frozen copy of the SFT model (ZeRO-3 partitioned when the actor is; optionally offloaded)
 critic    = the step-2 reward model, trained as the value function (own ZeRO stage); with a reward source
-            other than the reward model and no critic given, the SFT model with a fresh value head (B.5)
+            other than the reward model and no critic given, the SFT model with a fresh value head (B.5);
+            None for the critic-free estimators (--advantage_estimator rloo / grpo / reinforce)
 reward    = the step-2 reward model, frozen (None when the reward comes from another source and no
             --reward_model_name_or_path is given)
 ema       = optional exponential moving average of the actor (a frozen engine updated after each step)
@@ -19,6 +20,7 @@ import torch
 
 from marlhf.errors import ConfigError, PlatformError
 from marlhf.models.loading import apply_lora, load_causal_lm, load_value_model, resolve_model_path
+from marlhf.rlhf.estimators import needs_critic
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_args, frozen_engine
 
@@ -29,13 +31,15 @@ log = logging.getLogger("marlhf")
 class RLHFEngine:
     actor: object
     ref: object
-    critic: object
+    critic: object | None  # None: a critic-free estimator (nothing built, loaded or saved)
     reward: object | None  # None: the reward source is not the reward model
     ema: object | None = None
 
     def trainable(self) -> dict:
         """The engines whose state a checkpoint must hold."""
-        out = {"actor": self.actor, "critic": self.critic}
+        out = {"actor": self.actor}
+        if self.critic is not None:
+            out["critic"] = self.critic
         if self.ema is not None:
             out["ema"] = self.ema
         return out
@@ -81,7 +85,8 @@ def optimizer_steps(args, ppo_steps: int, with_ptx: bool = False) -> int:
     Each PPO step runs ``--ppo_epochs`` passes over ``--generation_batches`` experience batches split into
     micro-batches of ``--per_device_training_batch_size``; every micro-batch is one DeepSpeed micro-step
     (two for the actor with a ptx loss), and ``--gradient_accumulation_steps`` micro-steps make one update."""
-    micro = math.ceil(args.per_device_generation_batch_size / args.per_device_training_batch_size)
+    rows = args.per_device_generation_batch_size * args.num_samples_per_prompt  # experiences per generation batch
+    micro = math.ceil(rows / args.per_device_training_batch_size)
     micro *= args.generation_batches * args.ppo_epochs * (2 if with_ptx else 1)
     return max(1, ppo_steps * micro // args.gradient_accumulation_steps)
 
@@ -128,19 +133,23 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
                                            end_of_conversation_token=args.end_of_conversation_token),
                             zero_stage=args.actor_zero_stage,
                             offload=args.offload_reference_model, dtype=args.dtype)
-    # critic: the reward model as initial value function, trained
-    critic = load_value_model(critic_path, tokenizer, args.critic_dropout)
-    if args.critic_lora_dim > 0:
-        critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
-                            task="SEQ_CLS")
-    critic = engine_from_args(critic, args, critic_total, mb, role="critic")
+    # critic: the reward model as initial value function, trained (macro GAE only)
+    critic = None
+    if needs_critic(args.advantage_estimator):
+        critic = load_value_model(critic_path, tokenizer, args.critic_dropout)
+        if args.critic_lora_dim > 0:
+            critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
+                                task="SEQ_CLS")
+        critic = engine_from_args(critic, args, critic_total, mb, role="critic")
     # reward: frozen scorer (only when the reward source is the reward model)
     reward = None
     if reward_path is not None:
         reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
                                offload=args.offload_reference_model, dtype=args.dtype)
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
-             args.actor_zero_stage, critic_path, args.critic_zero_stage,
+             args.actor_zero_stage,
+             critic_path if critic is not None else f"none (--advantage_estimator {args.advantage_estimator})",
+             args.critic_zero_stage,
              reward_path or f"none (--reward_source {args.reward_source})", args.enable_ema)
     return RLHFEngine(actor, ref, critic, reward, ema)
 

@@ -6,7 +6,11 @@
     → per-token rewards: −β·(log π − log π_ref), plus the clipped score on the last real answer token
     → termination rule → segment ids → macro advantages and returns                (:func:`macro_advantages`)
 
-The advantage estimate is one function (:func:`macro_advantages`) so that other estimators plug in there.
+``--num_samples_per_prompt K`` samples K answers per prompt; rows i·K … i·K+K−1 answer prompt i (a group).
+Advantages are estimated here, over one whole generation batch of one rank, before the update cuts it into
+micro-batches, so a group's baseline always sees its K samples. ``--advantage_estimator gae`` is macro GAE
+with the critic (:func:`macro_advantages`); rloo / grpo / reinforce are the critic-free estimators of
+:mod:`marlhf.rlhf.estimators` (no critic forward, ``values`` is None).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 
 from marlhf.generation import GenerationConfig, Samples, sample
 from marlhf.models.loading import position_ids_from_mask, token_values
-from marlhf.rlhf.ppo_math import compute_advantages, token_rewards
+from marlhf.rlhf.estimators import critic_free_advantages, groups
+from marlhf.rlhf.macro import num_macros
+from marlhf.rlhf.ppo_math import compute_advantages, token_rewards, whiten
 
 
 @dataclass
@@ -32,12 +38,12 @@ class Experience:
     mask: torch.Tensor  # (B, A) bool, real answer tokens used in the loss (EOS included)
     logprobs: torch.Tensor  # (B, A) actor log π_old(a_t | s_t)
     ref_logprobs: torch.Tensor  # (B, A) reference log π_ref
-    values: torch.Tensor  # (B, A) critic V(s_t)
+    values: torch.Tensor | None  # (B, A) critic V(s_t); None without a critic (critic-free estimators)
     scores: torch.Tensor  # (B,) sequence score (the reward source's)
-    rewards: torch.Tensor  # (B, A) per-token rewards (KL penalty + score on the last token)
+    rewards: torch.Tensor  # (B, A) per-token rewards (KL penalty unless --kl_penalty loss + score on the last token)
     seg: torch.Tensor  # (B, A) macro-action segment ids, -1 on padding
-    advantages: torch.Tensor  # (B, A) macro advantages broadcast to tokens
-    returns: torch.Tensor  # (B, A) macro returns (Q) broadcast to tokens
+    advantages: torch.Tensor  # (B, A) macro advantages (gae) or the response's advantage, broadcast to tokens
+    returns: torch.Tensor  # (B, A) macro returns Q (gae) or the sequence return R, broadcast to tokens
 
     def split(self, size: int) -> list[Experience]:
         """Micro-batches of ``size`` samples (the tensors' batch dimension is sliced)."""
@@ -61,12 +67,23 @@ class RolloutSettings:
     lam: float = 0.95
     whiten_advantages: bool = False
     zero3_generation: str = "gather"
+    advantage_estimator: str = "gae"
+    num_samples_per_prompt: int = 1  # K
+    kl_penalty: str = "reward"
+    grpo_normalization: str = "std"
 
     @classmethod
     def from_args(cls, args) -> RolloutSettings:
         return cls(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value,
                    value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
-                   lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation)
+                   lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
+                   advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
+                   kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization)
+
+    @property
+    def reward_kl_ctl(self) -> float:
+        """β of the per-token KL penalty in the reward: 0 when the KL is a loss term instead."""
+        return self.kl_ctl if self.kl_penalty == "reward" else 0.0
 
 
 def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
@@ -92,11 +109,12 @@ def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: in
     return token_values(critic, seq, attention_mask)[:, P - 1:-1]
 
 
-def forwards(actor, ref, critic, s: Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One forward each of actor, reference and critic: (log π_old, log π_ref, V), each (B, A)."""
+def forwards(actor, ref, critic, s: Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward each of actor, reference and critic: (log π_old, log π_ref, V), each (B, A); V is None
+    without a critic."""
     P, seq, attn = s.prompt_width, s.seq, s.attention_mask
     return (policy_logprobs(actor, seq, attn, P), policy_logprobs(ref, seq, attn, P),
-            critic_values(critic, seq, attn, P))
+            critic_values(critic, seq, attn, P) if critic is not None else None)
 
 
 def macro_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -111,17 +129,42 @@ def macro_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, ref_lo
     return seg, advantages, returns, stats, fallbacks
 
 
+def sequence_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
+                        logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
+                        settings: RolloutSettings, step: int,
+                        batch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, int]:
+    """The critic-free estimators (rloo / grpo / reinforce, :mod:`marlhf.rlhf.estimators`): the response is
+    one action with one advantage on all its tokens; the segments only serve ``--policy_ratio macro``
+    (the ratio and its clipping per macro action). Same outputs as :func:`macro_advantages`."""
+    seg, fallbacks = segmenter(answer, mask, ref_logprobs, step, batch)
+    advantages, R, stats = critic_free_advantages(
+        settings.advantage_estimator, scores, logprobs, ref_logprobs, mask, group_size=settings.num_samples_per_prompt,
+        kl_ctl=settings.kl_ctl, clip_reward_value=settings.clip_reward_value, kl_penalty=settings.kl_penalty,
+        grpo_normalization=settings.grpo_normalization, valid=valid)
+    if settings.whiten_advantages:  # check_estimator_options rejects it with grpo (already normalised)
+        advantages = whiten(advantages, mask)
+    n_macro = num_macros(seg).double()  # (B,)
+    stats["num_macros"] = n_macro.sum() / max(seg.shape[0], 1)
+    stats["macro_len"] = mask.sum().double() / n_macro.sum().clamp(min=1)
+    return seg, advantages, torch.where(mask, R[:, None], 0.0), stats, fallbacks
+
+
 @torch.no_grad()
 def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor], segmenter,
                     gen_cfg: GenerationConfig, settings: RolloutSettings, prompt_ids: torch.Tensor,
                     prompt_mask: torch.Tensor, step: int, batch: int = 0) -> tuple[Experience, dict]:
     """Generate, score and segment answers to one prompt batch (``batch``: its index in the step).
 
-    ``score``: the samples → (B,) sequence scores (the reward source).  Empty and one-token answers are
-    masked out of the loss and counted (``invalid_answers``)."""
+    ``score``: the samples → (B·K,) sequence scores (the reward source).  Empty and one-token answers are
+    masked out of the loss and counted (``invalid_answers``).  ``critic`` is None for the critic-free
+    estimators."""
+    K = settings.num_samples_per_prompt
     t0 = time.time()
-    out = sample(actor, prompt_ids, prompt_mask, gen_cfg, zero3_generation=settings.zero3_generation)
+    out = sample(actor, prompt_ids, prompt_mask, gen_cfg, num_samples=K, zero3_generation=settings.zero3_generation)
     gen_time = time.time() - t0
+    if out.seq.shape[0] != prompt_ids.shape[0] * K:  # pragma: no cover - sample() guarantees it
+        raise AssertionError(f"{out.seq.shape[0]} samples for {prompt_ids.shape[0]} prompts x K={K}")
+    groups(torch.arange(out.seq.shape[0]), K)  # this batch holds whole groups only (one rank generated them)
     mask, ended, answer = out.answer_mask, out.ended, out.answers
     length = mask.sum(dim=1)
     content = length - ended.long()  # tokens before the stop token
@@ -131,10 +174,15 @@ def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor]
     scores = score(out)
 
     loss_mask = mask & valid[:, None]
-    rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, settings.kl_ctl, settings.clip_reward_value)
+    rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, settings.reward_kl_ctl,
+                            settings.clip_reward_value)
     t1 = time.time()
-    seg, advantages, returns, mstats, fallbacks = macro_advantages(segmenter, answer, loss_mask, ref_logprobs,
-                                                                   values, rewards, settings, step, batch)
+    if settings.advantage_estimator == "gae":
+        seg, advantages, returns, mstats, fallbacks = macro_advantages(segmenter, answer, loss_mask, ref_logprobs,
+                                                                       values, rewards, settings, step, batch)
+    else:
+        seg, advantages, returns, mstats, fallbacks = sequence_advantages(
+            segmenter, answer, loss_mask, valid, logprobs, ref_logprobs, scores, settings, step, batch)
     macro_time = time.time() - t1
     exp = Experience(out.seq, out.attention_mask, out.prompt_width, loss_mask, logprobs, ref_logprobs, values,
                      scores, rewards, seg, advantages, returns)

@@ -50,8 +50,12 @@ class MAPPOTrainer:
                         meta: list[dict] | None = None) -> tuple[Experience, dict]:
         """Generate, score and segment answers to one prompt batch (``batch``: its index in the step;
         ``meta``: each prompt's record meta, for the reward source)."""
+        K = self.args.num_samples_per_prompt
+        # sample() puts prompt i's K answers in rows i*K .. i*K+K-1: each gets its prompt's meta
+        meta_rows = None if meta is None else [m for m in meta for _ in range(K)]
+
         def score(s: Samples) -> torch.Tensor:
-            return score_samples(self.reward, self.tokenizer, s, meta)
+            return score_samples(self.reward, self.tokenizer, s, meta_rows)
 
         return make_experience(self.rlhf.actor, self.rlhf.ref, self.rlhf.critic, score, self.segmenter,
                                self.gen_cfg, self.rollout, prompt_ids, prompt_mask, step, batch)
@@ -81,6 +85,8 @@ class MAPPOTrainer:
                 step, epoch, done = state["step"], state["epoch"], state["batches_done"]
         log.info("MA-PPO: %d prompts, %d steps/epoch, %d steps (from %d); rule %s n=%s, σ %s, ratio %s", len(prompts),
                  steps_per_epoch, total, step, a.termination_condition, a.ngram, a.value_function, a.policy_ratio)
+        log.info("advantages: %s, K=%d samples per prompt, KL in the %s", a.advantage_estimator,
+                 a.num_samples_per_prompt, a.kl_penalty)
         bar = tqdm(total=total, initial=step, desc="ma-ppo", disable=not dist.is_main() or a.disable_progress_bar)
         dev = dist.device()
         while step < total:

@@ -1,5 +1,8 @@
 """The PPO update: ``--ppo_epochs`` passes of clipped policy and value loss (+ ptx) over collected experience.
 
+Without a critic (``--advantage_estimator rloo|grpo|reinforce``) there is no value loss; with
+``--kl_penalty loss`` the policy loss gains β·KL (k3 per token, :func:`marlhf.rlhf.estimators.kl_loss`).
+
 Losses are the pure functions of :mod:`marlhf.rlhf.ppo_math`; how each micro-batch's loss is weighted so an
 optimizer step is a token mean over all its micro-batches on all ranks is :mod:`marlhf.utils.optim_step`.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from marlhf.rlhf.estimators import kl_loss
 from marlhf.rlhf.ppo_math import policy_loss, value_loss
 from marlhf.rlhf.rollout import Experience, critic_values, policy_logprobs
 from marlhf.utils.optim_step import StepGuard, loss_multipliers
@@ -26,13 +30,16 @@ class UpdateSettings:
     cliprange_value: float = 0.2
     policy_ratio: str = "token"
     unsup_coef: float = 27.8
+    kl_penalty: str = "reward"  # "loss": + kl_ctl · k3 KL in the policy loss
+    kl_ctl: float = 0.1
 
     @classmethod
     def from_args(cls, args) -> UpdateSettings:
         return cls(ppo_epochs=args.ppo_epochs, micro_batch=args.per_device_training_batch_size,
                    gradient_accumulation_steps=args.gradient_accumulation_steps,
                    loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
-                   cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef)
+                   cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
+                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl)
 
 
 def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSettings,
@@ -42,7 +49,8 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
     Every loss is a token mean over the whole optimizer step by default (``--loss_aggregation``,
     :mod:`marlhf.utils.optim_step`): the real tokens of each accumulation window are counted on all
     ranks before the first backward. The actor steps on the policy loss and, with ptx, once more on the
-    ptx loss (DeepSpeed-Chat's order), so with ptx its micro-steps alternate policy / ptx."""
+    ptx loss (DeepSpeed-Chat's order), so with ptx its micro-steps alternate policy / ptx. ``critic`` is None
+    for the critic-free estimators: no value loss."""
     s = settings
     G = s.gradient_accumulation_steps
     plan = [mb for _ in range(s.ppo_epochs) for exp in exps for mb in exp.split(s.micro_batch)]
@@ -63,17 +71,22 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
         logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P)
         pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, s.cliprange,
                                  seg=mb.seg, ratio=s.policy_ratio)
+        if s.kl_penalty == "loss":  # GRPO's KL term: a token mean, like the policy loss it joins
+            kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
+            pstats["kl_loss"] = kl.detach()
+            pl = pl + s.kl_ctl * kl
         guard.backward(actor, pl * pl_mult[i], "actor loss")
         guard.step(actor)
-        values = critic_values(critic, mb.seq, mb.attention_mask, P)
-        vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, s.cliprange_value)
-        # an actor update dropped in this window (non-finite advantages, any rank) drops the critic's too:
-        # the step then skips that data as a whole
-        actor_dropped = i % G == G - 1 and guard.dropped > dropped_before
-        guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
-        guard.step(critic)
-        stats = {"actor_loss": pl.item(), "critic_loss": vl.item(),
-                 **{k: float(v) for k, v in {**pstats, **vstats}.items()}}
+        stats = {"actor_loss": pl.item(), **{k: float(v) for k, v in pstats.items()}}
+        if critic is not None:
+            values = critic_values(critic, mb.seq, mb.attention_mask, P)
+            vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, s.cliprange_value)
+            # an actor update dropped in this window (non-finite advantages, any rank) drops the critic's too:
+            # the step then skips that data as a whole
+            actor_dropped = i % G == G - 1 and guard.dropped > dropped_before
+            guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
+            guard.step(critic)
+            stats.update(critic_loss=vl.item(), **{k: float(v) for k, v in vstats.items()})
         if ptx is not None:
             out = actor(**ptx[i], use_cache=False).loss
             guard.backward(actor, s.unsup_coef * out * ptx_mult[i], "ptx loss")

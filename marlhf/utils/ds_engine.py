@@ -104,7 +104,8 @@ def engine_from_args(model: nn.Module, args, total_steps: int, micro_batch: int,
 # large rates; a real pretrained model gets the paper's Table 5 values for its size class (Gemma 2B / 7B /
 # 27B; smaller models take the 2B values), which a tiny-model rate would wreck.
 TINY_MODEL_PARAMS = 20_000_000
-TINY_LEARNING_RATES = {"sft": 1e-3, "reward": 5e-4, "actor": 1e-4, "critic": 1e-4}
+TINY_LEARNING_RATES = {"sft": 1e-3, "reward": 5e-4, "actor": 1e-4, "critic": 1e-4, "dpo": 1e-4}
+DPO_LEARNING_RATE = 2e-7  # App. C.3 (Gemma-2B, the only size the paper trains DPO at; reused for the others)
 PAPER_LEARNING_RATES = (  # (largest parameter count of the class, rates)
     (4e9, {"sft": 5e-5, "reward": 1e-5, "actor": 1.5e-5, "critic": 1.5e-5}),  # Gemma-2B (TL;DR / HH-RLHF)
     (12e9, {"sft": 2e-5, "reward": 1e-6, "actor": 1e-6, "critic": 1e-6}),  # Gemma-7B
@@ -116,6 +117,8 @@ def default_learning_rate(stage: str, num_params: int) -> float:
     """The learning rate of ``stage`` (sft / reward / actor / critic) for a model of ``num_params``, logged."""
     if num_params < TINY_MODEL_PARAMS:
         lr, why = TINY_LEARNING_RATES[stage], "the embedded tiny model's default"
+    elif stage == "dpo":
+        lr, why = DPO_LEARNING_RATE, "the paper's App. C.3 DPO value (Gemma-2B)"
     else:
         bound, rates = next((b, r) for b, r in PAPER_LEARNING_RATES if num_params <= b)
         size = {4e9: "up to 4B (Gemma-2B)", 12e9: "4B-12B (Gemma-7B)"}.get(bound, "over 12B (Gemma-2-27B)")
@@ -127,8 +130,10 @@ def default_learning_rate(stage: str, num_params: int) -> float:
 def _stage(args, role: str) -> str:
     if role:
         return role
-    from marlhf.config import RewardArgs
+    from marlhf.config import DPOArgs, RewardArgs
 
+    if isinstance(args, DPOArgs):
+        return "dpo"
     return "reward" if isinstance(args, RewardArgs) else "sft"
 
 

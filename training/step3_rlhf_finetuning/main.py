@@ -8,7 +8,8 @@
         --data_path synthetic_code --data_split 2,0,8 --reward_source program_tests --output_dir out/ppo-code
 
 Writes <output_dir>/actor (and critic, actor_ema) in Hugging Face format, metrics.jsonl, and
-summary.json comparing the initial (SFT) and final policy on held-out prompts.
+summary.json comparing the initial (SFT) and final policy on held-out prompts. A critic-free
+--advantage_estimator (rloo, grpo, reinforce) builds and writes no critic.
 """
 
 import json
@@ -66,7 +67,8 @@ def main(argv=None):
     # 5. export actor / critic / EMA as Hugging Face folders and write the summary
     out = Path(args.output_dir)
     export_hf(rlhf.actor, tokenizer, out / "actor", args.actor_zero_stage, conversation=fmt)
-    export_hf(rlhf.critic, tokenizer, out / "critic", args.critic_zero_stage, conversation=fmt)
+    if rlhf.critic is not None:  # critic-free estimators have none
+        export_hf(rlhf.critic, tokenizer, out / "critic", args.critic_zero_stage, conversation=fmt)
     if rlhf.ema is not None:
         export_hf(rlhf.ema, tokenizer, out / "actor_ema", args.actor_zero_stage, conversation=fmt)
     if dist.is_main():
