@@ -170,7 +170,9 @@ def _args(tmp_path, data_file, **kw):
     base = dict(data_path=[str(data_file)], data_split="1,1,1", seed=0, eval_fraction=0.2, max_eval_samples=0,
                 end_of_conversation_token="$", max_seq_len=64, bad_rows="error", data_output_path=str(tmp_path / "c"),
                 prompt_format="raw", long_prompts="truncate")
-    return SimpleNamespace(**{**base, **kw})
+    args = SimpleNamespace(**{**base, **kw})
+    args.split_seed = args.seed  # BaseArgs.split_seed with no --data_seed
+    return args
 
 
 def test_cache_is_reused_and_keyed_by_inputs(tmp_path):
