@@ -92,12 +92,28 @@ def test_report_table_equals_the_runs(runs, tmp_path):
     table = {r["variant"]: r for r in summary_table(results["gold"], "gold")}
     assert table["n5"]["gold_score"]["per_seed"] == [n5[s][8] for s in (1, 2, 3)]
     row = next(line for line in text.splitlines() if line.startswith("| MA-PPO n = 5 |"))
-    gold_cell = row.split("|")[3].strip()
+    gold_cell = row.split("|")[4].strip()
     assert gold_cell == f"{table['n5']['gold_score']['mean']:.3f} ± {table['n5']['gold_score']['ci95']:.3f}"
     assert row.split("|")[-2].strip() == "0.50"  # parity
     assert "reached PPO's final gold_score at 0.50 of PPO's steps — faster as claimed" in text
     saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text())
     assert saved["tables"]["gold"][1]["gold_score"]["per_seed"] == [n5[s][8] for s in (1, 2, 3)]
+
+
+def test_parity_is_undefined_when_ppo_did_not_improve(tmp_path):
+    """A PPO that ends below its start would make every variant 'reach parity' at step 0: the report must say
+    the speed claim was not tested instead of calling it reproduced."""
+    for variant, final in (("ppo", 0.05), ("n5", 0.2)):
+        for seed in (1, 2):
+            fake_run(tmp_path / "gold" / variant / f"seed{seed}", 8, {0: 0.1, 4: 0.08, 8: final + seed / 100},
+                     rm=0.0, seed_kl=0.01)
+    results = sweep.collect(sweep.plan(tmp_path, ["gold"], ["ppo", "n5"], [1, 2]))
+    table = {r["variant"]: r for r in summary_table(results["gold"], "gold")}
+    assert table["n5"]["parity_gold_score"] == "n/a" and table["n5"]["start_gold_score"] == pytest.approx(0.1)
+    text = write_report(tmp_path / "r.md", results, settings={"seeds": [1, 2], "steps": 8, "eval_interval": 4,
+                                                             "eval_samples": 8, "rewards": ["gold"]},
+                        commands=[], missing=[], unavailable={}, invocation="test").read_text()
+    assert "PPO did not improve the held-out gold_score" in text and "faster as claimed" not in text
 
 
 def test_unknown_variant_is_refused(tmp_path):
@@ -131,7 +147,7 @@ def test_quick_sweep_end_to_end(tmp_path):
         assert evals == [[1, 2], [1, 2]]  # --eval_interval 1, the final evaluation is summary.json's
         mean = sum(finals) / 2
         label = sweep.VARIANTS[variant].label
-        assert re.match(rf"{mean:.3f} ± ", rows[label][1]), (rows[label], finals)
+        assert re.match(rf"{mean:.3f} ± ", rows[label][2]), (rows[label], finals)
     rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert "4 runs, 4 done, 0 to run" in rerun.stdout
 

@@ -13,7 +13,7 @@ import os
 import platform
 from pathlib import Path
 
-from marlhf.eval.sweep import BASELINE, REWARDS, VARIANTS, VariantResult, steps_to_parity
+from marlhf.eval.sweep import BASELINE, REWARDS, VARIANTS, VariantResult, improved, steps_to_parity
 
 TABLE_KEYS = ("gold_score", "rm_score", "kl", "train_kl", "response_len", "eos_rate")
 PLOT_KEYS = (("gold_score", "held-out gold score"), ("rm_score", "held-out RM score"),
@@ -63,7 +63,11 @@ def summary_table(results: dict[str, VariantResult], reward: str) -> list[dict]:
                 row[key] = {"mean": value[0], "ci95": value[1], "per_seed": r.finals.get(key)}
         for key in dict.fromkeys((optimised, "gold_score")):
             if base is not None and key in r.finals and key in base.finals:
-                row[f"parity_{key}"] = steps_to_parity(r, base, key)
+                # parity with a PPO that ended below its start would reward not learning: left undefined
+                row[f"parity_{key}"] = steps_to_parity(r, base, key) if improved(base, key) else "n/a"
+            start = r.mean_curve(key).get(0)
+            if start is not None:
+                row[f"start_{key}"] = start
         rows.append(row)
     return rows
 
@@ -77,7 +81,7 @@ def _fmt(cell: dict | None) -> str:
 
 
 def _parity(v) -> str:
-    return "never" if v is None else f"{v:.2f}"
+    return "never" if v is None else v if isinstance(v, str) else f"{v:.2f}"
 
 
 def plot_curves(results: dict[str, VariantResult], path: Path, title: str) -> Path:
@@ -124,8 +128,18 @@ def claims(tables: dict[str, list[dict]]) -> list[str]:
         if base is None or not ma:
             out.append(f"- **{reward} reward**: not measured (needs PPO and at least one MA-PPO variant).")
             continue
+        if base.get(f"parity_{key}") == "n/a":
+            start = base.get(f"start_{key}")
+            out.append(f"- **{reward} reward**: PPO did not improve the held-out {key} within the budget "
+                       f"({start:.3f} at step 0 → {_fmt(base.get(key))}), so steps-to-parity is undefined: the "
+                       "speed claim was not tested. Final scores:")
         for r in ma:
             p = r.get(f"parity_{key}")
+            if p == "n/a":
+                b, m = base.get(key), r.get(key)
+                out.append(f"  - {r['label']}: {_fmt(m)} (from {r.get(f'start_{key}', float('nan')):.3f} at step 0) "
+                           f"vs PPO {_fmt(b)}.")
+                continue
             speed = ("not reached within the budget" if p is None else
                      f"reached PPO's final {key} at {p:.2f} of PPO's steps")
             verdict = ("faster as claimed (≥ 1.7×)" if p is not None and p <= FASTER else
@@ -174,11 +188,13 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
         title = {"gold": "Gold scorer as the reward", "rm": "Reward model as the reward"}[reward]
         fig = plot_curves(results[reward], fig_dir / f"curves_{reward}.png", title)
         lines += [f"## {title}", "", f"![curves]({fig.relative_to(path.parent).as_posix()})", "",
-                  "| variant | seeds | gold | RM | KL | length | EOS | parity (" + key + ")"
+                  f"| variant | seeds | {key} at step 0 | gold | RM | KL | length | EOS | parity (" + key + ")"
                   + (" | parity (gold)" if key != "gold_score" else "") + " |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if key != "gold_score" else "")]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if key != "gold_score" else "")]
         for r in rows:
-            cells = [r["label"], str(len(r["seeds"])), _fmt(r.get("gold_score")), _fmt(r.get("rm_score")),
+            start = r.get(f"start_{key}")
+            cells = [r["label"], str(len(r["seeds"])), "–" if start is None else f"{start:.3f}",
+                     _fmt(r.get("gold_score")), _fmt(r.get("rm_score")),
                      _fmt(r.get("kl") or r.get("train_kl")), _fmt(r.get("response_len")), _fmt(r.get("eos_rate")),
                      _parity(r.get(f"parity_{key}"))]
             if key != "gold_score":

@@ -178,9 +178,16 @@ def missing(specs: list[RunSpec]) -> list[RunSpec]:
     return [s for s in specs if not s.done]
 
 
+def improved(result: VariantResult, key: str) -> bool:
+    """Whether the seed-mean of ``key`` ended above where it started (step 0)."""
+    curve = result.mean_curve(key)
+    return bool(curve) and min(curve) == 0 and sum(result.finals[key]) / len(result.finals[key]) > curve[0]
+
+
 def steps_to_parity(result: VariantResult, baseline: VariantResult, key: str) -> float | None:
     """First evaluated step at which ``result``'s seed-mean of ``key`` reaches ``baseline``'s final
-    seed-mean, divided by the baseline's number of steps (< 1: faster than PPO).  None: never reached."""
+    seed-mean, divided by the baseline's number of steps (< 1: faster than PPO).  None: never reached.
+    Meaningful only when the baseline improved on its start (:func:`improved`); the report says so."""
     target = sum(baseline.finals[key]) / len(baseline.finals[key])
     for step, value in result.mean_curve(key).items():
         if value >= target:
