@@ -49,6 +49,14 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except Exception as err:
+        if not debug and _port_in_use(err):  # a DistNetworkError too, but nobody else stopped: say what to do
+            logging.shutdown()
+            if _is_rank0():
+                port = os.environ.get("MASTER_PORT", "29500")
+                print(f"error: the rendezvous port {port} is already in use (another run on this machine?); "
+                      "pick a free one with MASTER_PORT=N (launch scripts) or deepspeed --master_port N",
+                      file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
         # another rank stopped (its user error is reported by rank 0, or its traceback by itself): this rank's
         # collective then fails with a connection error that says nothing new; exit quietly instead of adding
         # one traceback per rank
@@ -60,6 +68,11 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
                   file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     return result if isinstance(result, int) else 0
+
+
+def _port_in_use(err: Exception) -> bool:
+    text = str(err).lower()
+    return "address already in use" in text or "eaddrinuse" in text
 
 
 def _peer_lost(err: Exception) -> bool:

@@ -101,3 +101,21 @@ def test_user_error_under_two_ranks_is_printed_once(tmp_path, embedded):
     assert "Traceback" not in proc.stdout + proc.stderr
     (line,) = error_lines(proc)  # rank 0 only
     assert f"{data}: row 4: field 'chosen': expected text, got int" in line
+
+
+def test_port_in_use_is_named_not_blamed_on_another_rank(capsys, monkeypatch):
+    """The TCP store's bind failure is a DistNetworkError like a lost peer's; with the port taken nobody else
+    stopped, so the message names the port and how to choose another."""
+    import torch.distributed as tdist
+
+    from marlhf.errors import EXIT_USER_ERROR, run_cli
+
+    def main(argv):
+        raise tdist.DistNetworkError("The server socket has failed to listen on any local network address. "
+                                     "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+                                     "address already in use")
+
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert run_cli(main, []) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "port 29500 is already in use" in err and "MASTER_PORT" in err and "another rank" not in err

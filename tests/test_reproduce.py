@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -132,7 +133,9 @@ def test_quick_sweep_end_to_end(tmp_path):
     evaluation every step; the report's numbers are the runs' own, and a rerun trains nothing."""
     out, report = tmp_path / "repro", tmp_path / "docs" / "results.md"
     cmd = [sys.executable, "scripts/reproduce.py", "--quick", "--out", str(out), "--report", str(report)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    # its own port and data cache: the launch scripts' defaults (29500, /tmp/data_files) may be taken
+    env = {**os.environ, "MASTER_PORT": "29683", "DATA_OUTPUT_PATH": str(tmp_path / "data")}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table_rows(report.read_text())
     for variant in ("ppo", "n5"):
@@ -148,7 +151,7 @@ def test_quick_sweep_end_to_end(tmp_path):
         mean = sum(finals) / 2
         label = sweep.VARIANTS[variant].label
         assert re.match(rf"{mean:.3f} ± ", rows[label][2]), (rows[label], finals)
-    rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert "4 runs, 4 done, 0 to run" in rerun.stdout
 
 
