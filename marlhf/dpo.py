@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from marlhf.data.pipeline import SFTCollator
 from marlhf.rlhf.macro import check_choice
-from marlhf.supervised import Objective, _all_reduce_sum, pair_count
+from marlhf.supervised import Objective, pair_count
+from marlhf.utils.optim_step import all_reduce_sum
 
 LOSSES = ("sigmoid", "ipo")
 
@@ -120,7 +121,7 @@ def dpo_objective(pad_id: int, reference, beta: float, kind: str = "sigmoid"):
             total += torch.tensor([value.item() * n] + [stats[k].item() * n for k in keys[1:]] + [n],
                                   dtype=torch.float64)
         model.train()
-        total = _all_reduce_sum(total)
+        total = all_reduce_sum(total)
         count = total[-1].clamp(min=1)
         return {k: (total[i] / count).item() for i, k in enumerate(keys)}
 

@@ -22,7 +22,7 @@ from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, ma
 from marlhf.models.loading import sequence_scores
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.ds_engine import engine_from_args
-from marlhf.utils.optim_step import StepGuard, loss_multipliers
+from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
 from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")
@@ -58,7 +58,7 @@ def sft_evaluate(model, loader) -> dict:
         nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="sum")
         total += torch.tensor([nll.item(), (labels != -100).sum().item()], dtype=torch.float64)
     model.train()
-    total = _all_reduce_sum(total)
+    total = all_reduce_sum(total)
     loss = (total[0] / total[1].clamp(min=1)).item()
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
@@ -89,7 +89,7 @@ def reward_evaluate(model, loader) -> dict:
         total += torch.tensor([(chosen > rejected).sum().item(), chosen.sum().item(), rejected.sum().item(),
                                chosen.numel()], dtype=torch.float64)
     model.train()
-    total = _all_reduce_sum(total)
+    total = all_reduce_sum(total)
     n = total[3].clamp(min=1)
     return {"accuracy": (total[0] / n).item(), "chosen_score": (total[1] / n).item(),
             "rejected_score": (total[2] / n).item()}
@@ -116,16 +116,6 @@ def reward_objective(pad_id: int, label_smoothing: float = 0.0) -> Objective:
 def _to_device(batch: dict) -> dict:
     dev = dist.device()
     return {k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.world_size() > 1:
-        import torch.distributed as tdist
-
-        x = x.to(dist.device())
-        tdist.all_reduce(x)
-        x = x.cpu()
-    return x
 
 
 # --------------------------------------------------------------------------------------------------------

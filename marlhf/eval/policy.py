@@ -11,6 +11,7 @@ from marlhf.models.loading import stop_token_ids
 from marlhf.rewards import score_samples
 from marlhf.rlhf.rollout import policy_logprobs
 from marlhf.utils import dist
+from marlhf.utils.optim_step import all_reduce_sum
 
 
 def _fields(name: str, source) -> dict[str, str]:
@@ -55,12 +56,7 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
                 lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width)
                 sums.append(torch.where(out.answer_mask, lp - lp_ref, 0.0).sum().item())
             totals += torch.tensor(sums + [out.seq.shape[0]], dtype=torch.float64)
-    if dist.world_size() > 1:
-        import torch.distributed as tdist
-
-        t = totals.to(dev)
-        tdist.all_reduce(t)
-        totals = t.cpu()
+    totals = all_reduce_sum(totals)
     n = totals[-1].clamp(min=1).item()
     result = {k: totals[i].item() / n for i, k in enumerate(keys)}
     result["num_prompts"] = n
