@@ -43,6 +43,10 @@ def _fixed(n: str, *extra: str) -> tuple[str, ...]:
     return ("--termination_condition", "fixed", "--ngram", n, *extra)
 
 
+# The group estimators answer K = 4 times each of 4 prompts per step: the same 16 answers a PPO step
+# generates and trains on (the tiny scripts' batch), so a step costs about the same for every variant.
+_GROUPS = ("--num_samples_per_prompt", "4", "--per_device_generation_batch_size", "4")
+
 # paper §4.2–4.5 and App. C.3 / D.1: n ∈ {3,5,10,∞}, the four rules, σ for n = 5, the ratio, baselines
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("ppo", "PPO (n = 1)", _fixed("1")),
@@ -57,10 +61,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("n5_sigma_unit", "MA-PPO n = 5, σ unit", _fixed("5", "--value_function", "unit")),
     Variant("n5_sigma_position", "MA-PPO n = 5, σ position", _fixed("5", "--value_function", "position")),
     Variant("n5_ratio_macro", "MA-PPO n = 5, macro ratio", _fixed("5", "--policy_ratio", "macro")),
-    Variant("rloo", "RLOO (K = 4)", _fixed("1", "--advantage_estimator", "rloo", "--num_samples_per_prompt", "4"),
+    Variant("rloo", "RLOO (K = 4)", _fixed("1", "--advantage_estimator", "rloo", *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt")),
-    Variant("grpo", "GRPO (K = 4)", _fixed("1", "--advantage_estimator", "grpo", "--num_samples_per_prompt", "4"),
+    Variant("grpo", "GRPO (K = 4)", _fixed("1", "--advantage_estimator", "grpo", *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt")),
+    Variant("grpo_dr", "Dr. GRPO (K = 4, no std)", _fixed("1", "--advantage_estimator", "grpo", "--grpo_normalization",
+                                                          "none", *_GROUPS),
+            needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization")),
     Variant("reinforce", "REINFORCE", _fixed("inf", "--advantage_estimator", "reinforce"),
             needs=("advantage_estimator",)),
 ]}
