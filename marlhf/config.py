@@ -194,6 +194,10 @@ class RLHFArgs(BaseArgs):
     unsupervised_dataset_name: str = opt("", "Dataset for the ptx (pre-training) loss; empty disables it.")
     unsup_coef: float = opt(27.8, "Weight of the ptx loss.")
     per_device_generation_batch_size: int = opt(8, "Prompts per rank per generation batch.")
+    per_device_eval_generation_batch_size: int = opt(0, "Prompts per rank per batch of the held-out evaluation "
+                                                     "(0: --per_device_generation_batch_size). Its answers are "
+                                                     "one seeded stream, so runs compared on the same prompts "
+                                                     "must use the same value.")
     per_device_training_batch_size: int = opt(8, "Experiences per rank per PPO micro-batch.")
     generation_batches: int = opt(1, "Generation batches collected before each PPO update.")
     ppo_epochs: int = opt(1, "PPO passes over each collected experience batch.")

@@ -214,3 +214,35 @@ def test_held_out_kl_against_a_per_sample_loop(tmp_path):
                 total.append(kl)
     assert got == pytest.approx(sum(total) / len(total), rel=1e-4, abs=1e-5)
     assert abs(got) > 1e-3
+
+
+def test_held_out_evaluation_batch_is_independent_of_the_training_batch(tmp_path):
+    """Held-out answers are one seeded stream batched by --per_device_eval_generation_batch_size (default: the
+    training generation batch): a group estimator generating 2 prompts per batch evaluates exactly like PPO
+    generating 4 when both evaluate 4 per batch — the sweep compares every variant on the same samples."""
+    import dataclasses
+
+    import torch
+    from ppo_harness import make_trainer, rlhf_args
+
+    from marlhf import embedded
+    from marlhf.data.pipeline import build_phase_data
+    from marlhf.eval.policy import evaluate_policy
+
+    nano = embedded.prepare(size="nano").model_dir
+    args = rlhf_args(nano, tmp_path, max_eval_samples=8, per_device_generation_batch_size=4,
+                     per_device_training_batch_size=4)
+    t = make_trainer(args)
+    items = build_phase_data(args, t.tokenizer, phase=3).eval[:8]
+    with torch.no_grad():  # an actor away from its reference: the KL tells one sample stream from another
+        head = t.rlhf.actor.module.lm_head.weight
+        head.add_(0.05 * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+
+    def ev(**over):
+        return evaluate_policy(t.rlhf.actor, t.tokenizer, items, dataclasses.replace(args, **over), {},
+                               ref=t.rlhf.ref, seed=3)
+
+    ppo = ev()
+    assert ev(per_device_generation_batch_size=2, per_device_eval_generation_batch_size=4) == ppo
+    assert ppo["kl"] != 0.0
+    assert ev(per_device_generation_batch_size=2)["kl"] != ppo["kl"]  # evaluated 2 per batch: other samples

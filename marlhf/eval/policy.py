@@ -31,7 +31,8 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
     stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
     pad = tokenizer.pad_token_id
     gen_cfg = GenerationConfig.from_args(args, stop_ids, pad)
-    loader = make_loader(prompts, args.per_device_generation_batch_size,
+    batch = args.per_device_eval_generation_batch_size or args.per_device_generation_batch_size
+    loader = make_loader(prompts, batch,
                          ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
     dev = dist.device()
     fields = {name: _fields(name, src) for name, src in sources.items()}

@@ -44,8 +44,10 @@ def _fixed(n: str, *extra: str) -> tuple[str, ...]:
 
 
 # The group estimators answer K = 4 times each of 4 prompts per step: the same 16 answers a PPO step
-# generates and trains on (the tiny scripts' batch), so a step costs about the same for every variant.
-_GROUPS = ("--num_samples_per_prompt", "4", "--per_device_generation_batch_size", "4")
+# generates and trains on (the tiny scripts' batch), so a step costs about the same for every variant; the
+# held-out evaluation keeps PPO's 16 prompts per batch, so every variant is evaluated on the same samples.
+_GROUPS = ("--num_samples_per_prompt", "4", "--per_device_generation_batch_size", "4",
+           "--per_device_eval_generation_batch_size", "16")
 
 # paper §4.2–4.5 and App. C.3 / D.1: n ∈ {3,5,10,∞}, the four rules, σ for n = 5, the ratio, baselines
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
