@@ -341,6 +341,15 @@ def _is_number(text: str) -> bool:
         return False
 
 
+@dataclass
+class PolicyEvalArgs(RLHFArgs):
+    """Held-out evaluation of any trained policy (SFT, DPO, a step-3 actor) exactly as step 3 evaluates its
+    actor: the same prompts (--data_path, --data_seed, --max_eval_samples), sampling settings and scores."""
+
+    ref_model_name_or_path: str = opt("", "Reference policy of the held-out KL (e.g. the SFT model); empty: "
+                                      "no KL.")
+
+
 # --------------------------------------------------------------------------------------------------------
 # dataclass -> argparse
 # --------------------------------------------------------------------------------------------------------

@@ -40,8 +40,9 @@ from marlhf.eval import sweep  # noqa: E402
 from marlhf.eval.results_report import write_report  # noqa: E402
 
 FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3], steps=40, eval_interval=5,
-            eval_samples=64)
-QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8)
+            eval_samples=64, dpo_steps=100)
+QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8,
+             dpo_steps=3)
 SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
                  REPO.parent / "shared") / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
 MAINS = {1: "training/step1_supervised_finetuning/main.py", 2: "training/step2_reward_model_finetuning/main.py",
@@ -61,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="Step-3 PPO steps per run (default 40).")
     p.add_argument("--eval_interval", type=int, help="Held-out evaluation every k steps (default 5).")
     p.add_argument("--eval_samples", type=int, help="Held-out prompts per evaluation (default 64).")
+    p.add_argument("--dpo_steps", type=int, help="DPO's own budget of optimizer steps per seed on the reward "
+                   "model's preference pairs (default 100; 0: no DPO).")
     p.add_argument("--step3_args", default="", help="Extra flags for every step-3 run (e.g. '--kl_ctl 0.05'), after "
                    "the launch script's and before the variant's.")
     p.add_argument("--sft", help="SFT model to start from (default: run step 1 under --out/base).")
@@ -76,9 +79,13 @@ def parse_args(argv=None):
                    "Anthropic/hh-rlhf file, default: the HH-RLHF slice of ../shared/data).")
     p.add_argument("--real_steps", type=int, nargs=3, default=[60, 40, 12], metavar=("SFT", "RM", "PPO"),
                    help="Optimizer steps of the real-model track's steps 1, 2 and 3 (each PPO variant).")
+    p.add_argument("--parallel", type=int, default=1, help="Step-3 runs at a time, the cores split between them "
+                   "(tiny runs use several cores poorly; results do not depend on it beyond float rounding).")
     p.add_argument("--lock", help="Take this file lock (flock) around each run, so other heavy jobs on a shared "
                    "machine interleave between runs instead of skewing their timings.")
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
     defaults = QUICK if args.quick else FULL
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -87,15 +94,30 @@ def parse_args(argv=None):
 
 
 def run(cmd: list[str], env: dict, log_path: Path, dry: bool, lock: str | None = None) -> None:
-    print("$ " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
+    run_together([(cmd, env, log_path)], dry, lock)
+
+
+def run_together(jobs: list[tuple[list[str], dict, Path]], dry: bool, lock: str | None = None) -> None:
+    """Run (cmd, env, log) jobs at the same time, under one hold of ``lock``; more than one job splits the
+    cores between them (``OMP_NUM_THREADS``) and gives each its own rendezvous port.  Any failure stops the
+    sweep after all have ended; the finished runs are kept."""
+    for cmd, env, _ in jobs:
+        print("$ " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True)
     if dry:
         return
+    threads = max(1, (os.cpu_count() or 1) // len(jobs))
+    port = int(os.environ.get("MASTER_PORT", "29611"))
     with open(lock, "a") if lock else contextlib.nullcontext() as held:
         if held is not None:
             fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
-        proc = subprocess.run(cmd, env={**os.environ, **env}, cwd=REPO)
-    if proc.returncode != 0:  # the runs before it are kept: rerun to continue
-        raise SystemExit(f"failed with exit code {proc.returncode}: see {log_path}")
+        procs = []
+        for i, (cmd, env, _) in enumerate(jobs):
+            own = {"OMP_NUM_THREADS": str(threads), "MASTER_PORT": str(port + i)} if len(jobs) > 1 else {}
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **own, **env}, cwd=REPO))
+        codes = [p.wait() for p in procs]
+    failed = [(code, log) for code, (_, _, log) in zip(codes, jobs) if code != 0]
+    if failed:  # the runs before it are kept: rerun to continue
+        raise SystemExit("; ".join(f"failed with exit code {code}: see {log}" for code, log in failed))
 
 
 def base_models(args, root: Path) -> tuple[str, str, list[str]]:
@@ -181,6 +203,57 @@ def real_track(args, root: Path) -> dict:
     return result
 
 
+def dpo_track(args, root: Path, sft: str, rm: str, specs: list[sweep.RunSpec], commands: list[str]) -> dict | None:
+    """DPO (App. C.3) on the reward model's preference pairs, its own budget (``--dpo_steps``), one run per seed.
+    The SFT and every DPO policy are evaluated by ``inference/eval_policy.py`` with a finished step-3 run's
+    own settings (its ``args.json``: held-out prompts, sampling, batch), so the numbers compare with the
+    step-3 tables; a run's ``summary.json`` has step 3's layout (SFT = step 0, DPO = its last step)."""
+    if not args.dpo_steps:
+        return None
+    template = next((s.out / "args.json" for s in specs if s.done), None)
+    if template is None:
+        return {"skipped": "no finished step-3 run to take the held-out evaluation settings from"}
+    out = root / "dpo"
+    dpo = ["bash", "training/step2_dpo_finetuning/training_scripts/tiny/run_tiny.sh", str(out / "seed$SEED" / "model")]
+    extra = f"--seed $SEED --data_seed 1234 --max_steps {args.dpo_steps}"
+    commands.append(f"for SEED in {' '.join(map(str, args.seeds))}; do MODEL_PATH={shlex.quote(sft)} "
+                    f"EXTRA_ARGS={shlex.quote(extra)} {shlex.join(dpo)}; done")
+
+    def evaluate(policy: str, where: Path) -> dict:
+        if not (where / "eval.json").exists():
+            run([sys.executable, "inference/eval_policy.py", "--config", str(template), "--actor_model_name_or_path",
+                 policy, "--ref_model_name_or_path", sft, "--reward_model_name_or_path", rm,
+                 "--critic_model_name_or_path", "", "--reward_source", "reward_model", "--output_dir", str(where),
+                 "--disable_progress_bar"], {}, where / "eval.log", args.dry_run, args.lock)
+        return {} if args.dry_run else json.loads((where / "eval.json").read_text())
+
+    if args.report_only and not (out / "sft_eval" / "eval.json").exists():
+        return {"skipped": "not run (rerun without --report_only)"}
+    sft_eval = evaluate(sft, out / "sft_eval")
+    runs, accuracy = [], {}
+    for seed in args.seeds:
+        run_dir = out / f"seed{seed}"
+        if not (run_dir / "summary.json").exists():
+            if args.report_only:
+                continue
+            model = run_dir / "model"
+            if not (model / ".done").exists():
+                env = {"MODEL_PATH": sft, "EXTRA_ARGS": extra.replace("$SEED", str(seed))}
+                run([*dpo[:-1], str(model)], env, run_dir / "train.log", args.dry_run, args.lock)
+                if not args.dry_run:
+                    (model / ".done").touch()
+            if args.dry_run:
+                continue
+            summary = {"steps": args.dpo_steps, "initial_policy": sft_eval,
+                       "final_policy": evaluate(str(model), run_dir / "eval")}
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        runs.append((seed, sweep.read_run(run_dir)))
+        accuracy[seed] = last_metric(run_dir / "model", "eval/accuracy")
+    if not runs:
+        return {"skipped": "not finished (rerun to continue)"}
+    return {"steps": args.dpo_steps, "result": sweep.combine("dpo", runs), "implicit_accuracy": accuracy}
+
+
 def last_metric(folder: Path, key: str):
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     values = [r[key] for r in rows if key in r]
@@ -206,23 +279,30 @@ def main(argv=None) -> int:
             line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
             line = line.replace(f"--seed {spec.seed} ", "--seed $SEED ").replace(f"/seed{spec.seed}", "/seed$SEED")
             commands.append(f"for SEED in {' '.join(map(str, args.seeds))}; do {line}; done")
-        if spec.done or args.report_only:
-            continue
+    pending = [] if args.report_only else [s for s in specs if not s.done]
+    for i in range(0, len(pending), args.parallel):
+        chunk = pending[i:i + args.parallel]
         t0 = time.time()
-        run(cmd, env, spec.out / "training.log", args.dry_run, args.lock)
-        print(f"[{specs.index(spec) + 1}/{len(specs)}] {spec.reward}/{spec.variant}/seed{spec.seed}: "
-              f"{time.time() - t0:.0f} s", flush=True)
+        run_together([(*step3_command(s, args, sft, rm), s.out / "training.log") for s in chunk], args.dry_run,
+                     args.lock)
+        for s in chunk:
+            print(f"[{specs.index(s) + 1}/{len(specs)}] {s.reward}/{s.variant}/seed{s.seed}: "
+                  f"{time.time() - t0:.0f} s" + (f" ({len(chunk)} at once)" if len(chunk) > 1 else ""), flush=True)
+    dpo = dpo_track(args, root, sft, rm, specs, commands)
+    if dpo is not None and "skipped" in dpo:
+        print(f"DPO skipped: {dpo['skipped']}", flush=True)
     real = real_track(args, root) if args.real_model else None
     if real is not None and "skipped" in real:
         print(f"real-model track skipped: {real['skipped']}", flush=True)
     if args.dry_run:
         return 0
     results = sweep.collect(specs)
-    settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards")}
+    settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards",
+                                              "dpo_steps")}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     path = write_report(Path(args.report), results, settings=settings, commands=commands,
                         missing=[f"{s.reward}/{s.variant}/seed{s.seed}" for s in sweep.missing(specs)],
-                        unavailable=unavailable, invocation=invocation, real=real)
+                        unavailable=unavailable, invocation=invocation, real=real, dpo=dpo)
     print(f"report: {path}")
     return 0
 

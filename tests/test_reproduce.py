@@ -130,10 +130,11 @@ def table_rows(text: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_quick_sweep_end_to_end(tmp_path):
     """``--quick``: steps 1–2 briefly, PPO and MA-PPO n = 5 for 2 seeds x 3 steps with the gold reward, held-out
-    evaluation every step; the report's numbers are the runs' own, and a rerun trains nothing."""
+    evaluation every step, DPO for 3 steps; the report's numbers are the runs' own, and a rerun trains nothing."""
     out, report = tmp_path / "repro", tmp_path / "docs" / "results.md"
-    cmd = [sys.executable, "scripts/reproduce.py", "--quick", "--out", str(out), "--report", str(report)]
-    # its own port and data cache: the launch scripts' defaults (29500, /tmp/data_files) may be taken
+    cmd = [sys.executable, "scripts/reproduce.py", "--quick", "--out", str(out), "--report", str(report),
+           "--parallel", "2"]
+    # its own ports and data cache: the launch scripts' defaults (29500, /tmp/data_files) may be taken
     env = {**os.environ, "MASTER_PORT": "29683", "DATA_OUTPUT_PATH": str(tmp_path / "data")}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -151,8 +152,20 @@ def test_quick_sweep_end_to_end(tmp_path):
         mean = sum(finals) / 2
         label = sweep.VARIANTS[variant].label
         assert re.match(rf"{mean:.3f} ± ", rows[label][2]), (rows[label], finals)
+    # DPO, its own budget: the SFT evaluated by inference/eval_policy.py with a step-3 run's settings is that
+    # run's step 0, number for number; the report's DPO row is the mean of its runs' final evaluations
+    sft_eval = json.loads((out / "dpo" / "sft_eval" / "eval.json").read_text())
+    step0 = json.loads((out / "gold" / "ppo" / "seed1" / "initial_policy.json").read_text())
+    assert {k: sft_eval[k] for k in step0} == step0
+    dpo = [json.loads((out / "dpo" / f"seed{s}" / "summary.json").read_text())["final_policy"] for s in (1, 2)]
+    assert all(d["kl"] != 0 for d in dpo) and sft_eval["kl"] == 0.0  # DPO moved off its reference
+    dpo_row = rows["DPO (3 steps)"]
+    for col, key in enumerate(("gold_score", "rm_score", "kl")):
+        assert re.match(rf"{(dpo[0][key] + dpo[1][key]) / 2:.3f} ± ", dpo_row[col]), (dpo_row, dpo)
+    assert rows["SFT (start)"][0] == f"{step0['gold_score']:.3f}"
     rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert "4 runs, 4 done, 0 to run" in rerun.stdout
+    assert "\n$ " not in rerun.stdout  # nothing trained or evaluated again, DPO included
 
 
 def test_data_seed_fixes_the_split_while_seed_varies():

@@ -167,20 +167,25 @@ def collect(specs: list[RunSpec]) -> dict[str, dict[str, VariantResult]]:
             grouped.setdefault((spec.reward, spec.variant), []).append((spec.seed, read_run(spec.out)))
     out: dict[str, dict[str, VariantResult]] = {}
     for (reward, variant), runs in grouped.items():
-        runs.sort()
-        keys = [k for k in runs[0][1]["final"] if all(k in r["final"] for _, r in runs)
-                and isinstance(runs[0][1]["final"][k], (int, float))]
-        common = set.intersection(*(set(r["curve"]) for _, r in runs))
-        curves = {k: {s: [r["curve"][s][k] for _, r in runs] for s in sorted(common)
-                      if all(k in r["curve"][s] for _, r in runs)} for k in keys}
-        # KL to the reference: the held-out one where logged, else the training batches' (every step)
-        if "kl" not in keys:
-            kl_common = set.intersection(*(set(r["train_kl"]) for _, r in runs))
-            curves["train_kl"] = {s: [r["train_kl"][s] for _, r in runs] for s in sorted(kl_common)}
-        out.setdefault(reward, {})[variant] = VariantResult(
-            variant, [s for s, _ in runs], max(r["steps"] for _, r in runs), curves,
-            {k: [r["final"][k] for _, r in runs] for k in keys})
+        out.setdefault(reward, {})[variant] = combine(variant, runs)
     return out
+
+
+def combine(variant: str, runs: list[tuple[int, dict]]) -> VariantResult:
+    """One variant's finished runs, ``(seed, read_run(...))`` each, as curves and finals over seeds (the keys
+    and steps every run has)."""
+    runs = sorted(runs, key=lambda sr: sr[0])
+    keys = [k for k in runs[0][1]["final"] if all(k in r["final"] for _, r in runs)
+            and isinstance(runs[0][1]["final"][k], (int, float))]
+    common = set.intersection(*(set(r["curve"]) for _, r in runs))
+    curves = {k: {s: [r["curve"][s][k] for _, r in runs] for s in sorted(common)
+                  if all(k in r["curve"][s] for _, r in runs)} for k in keys}
+    # KL to the reference: the held-out one where logged, else the training batches' (every step)
+    if "kl" not in keys:
+        kl_common = set.intersection(*(set(r["train_kl"]) for _, r in runs))
+        curves["train_kl"] = {s: [r["train_kl"][s] for _, r in runs] for s in sorted(kl_common)}
+    return VariantResult(variant, [s for s, _ in runs], max(r["steps"] for _, r in runs), curves,
+                         {k: [r["final"][k] for _, r in runs] for k in keys})
 
 
 def missing(specs: list[RunSpec]) -> list[RunSpec]:

@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Held-out evaluation of a trained policy exactly as step 3 evaluates its actor: the same held-out prompts,
+sampling settings, seed and scores (reward model, gold scorer on the embedded task, program tests), and the
+KL to a reference policy.  What makes a DPO model, an SFT model and a step-3 actor comparable number for
+number (``scripts/reproduce.py`` uses it for DPO; a step-3 run's ``summary.json`` holds the same fields).
+
+    python inference/eval_policy.py --actor_model_name_or_path out/dpo --ref_model_name_or_path out/step1 \\
+        --reward_model_name_or_path out/step2 --data_path synthetic --data_seed 1234 --max_eval_samples 64 \\
+        --output_dir out/dpo-eval
+
+Takes step 3's flags (the data selection, generation and batch flags must match the runs it is compared
+with); a step-3 output folder evaluates its ``actor/``.  Writes ``<output_dir>/eval.json`` and prints it.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from marlhf.config import PolicyEvalArgs, parse_args
+from marlhf.data.formatting import check_same_format
+from marlhf.data.pipeline import build_phase_data
+from marlhf.errors import run_cli
+from marlhf.eval.generate import policy_folder
+from marlhf.eval.policy import evaluate_policy
+from marlhf.models.loading import load_causal_lm, load_value_model, resolve_model_path, run_tokenizer
+from marlhf.rewards import build_reward_source, evaluation_sources
+from marlhf.utils import dist
+from marlhf.utils.ds_engine import frozen_engine
+from marlhf.utils.run import setup_run
+
+
+def main(argv=None):
+    args, _ = parse_args(PolicyEvalArgs, argv)
+    args.actor_model_name_or_path = policy_folder(args.actor_model_name_or_path, "actor")
+    setup_run(args)
+    # 1. the policy's tokenizer and format, and step 3's held-out prompts
+    tokenizer, fmt = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
+    rm_path = args.reward_model_name_or_path or args.critic_model_name_or_path
+    check_same_format(fmt, rm_path, args.ref_model_name_or_path)
+    data = build_phase_data(args, tokenizer, phase=3)
+
+    # 2. the policy, the reference (for the KL) and the reward model, all frozen
+    def frozen(model):
+        return frozen_engine(model, zero_stage=args.actor_zero_stage, offload=args.offload_reference_model,
+                             dtype=args.dtype)
+
+    actor = frozen(load_causal_lm(resolve_model_path(args.actor_model_name_or_path), tokenizer, 0.0,
+                                  end_of_conversation_token=fmt.end_of_conversation_token))
+    ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0)) \
+        if args.ref_model_name_or_path else None
+    reward_model = frozen(load_value_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
+    # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests
+    reward = build_reward_source(args.reward_source, workers=args.reward_workers) \
+        if args.reward_source == "program_tests" else None  # the other two are reported whenever available
+    sources = evaluation_sources(args.reward_source, reward, reward_model, args.data_path)
+    result = evaluate_policy(actor, tokenizer, data.eval, args, sources, ref=ref)
+    result["policy"] = args.actor_model_name_or_path
+    if dist.is_main():
+        (Path(args.output_dir) / "eval.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
