@@ -259,3 +259,20 @@ def test_held_out_evaluation_batch_is_independent_of_the_training_batch(tmp_path
     assert ev(per_device_generation_batch_size=2, per_device_eval_generation_batch_size=4) == ppo
     assert ppo["kl"] != 0.0
     assert ev(per_device_generation_batch_size=2)["kl"] != ppo["kl"]  # evaluated 2 per batch: other samples
+
+
+@pytest.mark.parametrize("variant", list(sweep.VARIANTS))
+def test_every_variant_is_a_valid_step3_configuration(variant):
+    """Each variant's flags, after the tiny launch script's (which pass the fixed rule with n = 5), parse and
+    validate as step 3 would (a critic-free estimator with a changed macro rule is refused there)."""
+    from marlhf.config import RLHFArgs, parse_args
+
+    flags = sweep.VARIANTS[variant].flags
+    tiny = ["--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16",
+            "--termination_condition", "fixed", "--ngram", "5"]
+    args, _ = parse_args(RLHFArgs, [*tiny, *flags])
+    given = dict(zip(flags[::2], flags[1::2]))
+    assert args.advantage_estimator == given.get("--advantage_estimator", "gae")
+    if "--num_samples_per_prompt" in given:  # the same 16 answers per step as PPO's 16 prompts
+        assert args.num_samples_per_prompt * args.per_device_generation_batch_size == 16
+        assert args.per_device_eval_generation_batch_size == 16

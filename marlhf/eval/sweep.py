@@ -63,15 +63,16 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("n5_sigma_unit", "MA-PPO n = 5, σ unit", _fixed("5", "--value_function", "unit")),
     Variant("n5_sigma_position", "MA-PPO n = 5, σ position", _fixed("5", "--value_function", "position")),
     Variant("n5_ratio_macro", "MA-PPO n = 5, macro ratio", _fixed("5", "--policy_ratio", "macro")),
-    Variant("rloo", "RLOO (K = 4)", _fixed("1", "--advantage_estimator", "rloo", *_GROUPS),
+    # critic-free: the whole answer is one action (no --termination_condition/--ngram: step 3 refuses them
+    # there unless --policy_ratio macro, see marlhf/rlhf/estimators.check_estimator_options)
+    Variant("rloo", "RLOO (K = 4)", ("--advantage_estimator", "rloo", *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt")),
-    Variant("grpo", "GRPO (K = 4)", _fixed("1", "--advantage_estimator", "grpo", *_GROUPS),
+    Variant("grpo", "GRPO (K = 4)", ("--advantage_estimator", "grpo", *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt")),
-    Variant("grpo_dr", "Dr. GRPO (K = 4, no std)", _fixed("1", "--advantage_estimator", "grpo", "--grpo_normalization",
-                                                          "none", *_GROUPS),
+    Variant("grpo_dr", "Dr. GRPO (K = 4, no std)", ("--advantage_estimator", "grpo", "--grpo_normalization", "none",
+                                                    *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization")),
-    Variant("reinforce", "REINFORCE", _fixed("inf", "--advantage_estimator", "reinforce"),
-            needs=("advantage_estimator",)),
+    Variant("reinforce", "REINFORCE", ("--advantage_estimator", "reinforce"), needs=("advantage_estimator",)),
 ]}
 
 # reward setting -> (step-3 flags, the held-out score it optimises)
