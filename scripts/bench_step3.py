@@ -29,7 +29,7 @@ higher kept); memory: the tensors of the engines the variant uses (weights, grad
 process's peak resident memory during the step above what it held before (``marlhf.utils.perf.PeakRSS``).
 
     python scripts/bench_step3.py [--quick] [--size tiny] [--batch 16] [--answer_len 64] [--repeats 3] \\
-        [--threads 2] [--variants all|ppo n5 grpo ...] [--out docs/results/cost_per_step.json]
+        [--threads 2] [--variants all|ppo n5 grpo ...] [--max_seconds 0] [--out docs/results/cost_per_step.json]
 
 Writes the JSON to --out and the markdown (``marlhf.eval.cost_report.render_cost_section``) next to it (.md).
 """
@@ -232,6 +232,9 @@ def parse_cli(argv=None):
     ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                     help=f"sweep variants to time, or 'all' (default all; --quick: {' '.join(QUICK_VARIANTS)}); "
                          f"{BASELINE} is always timed (the ratios' baseline)")
+    ap.add_argument("--max_seconds", type=float, default=0,
+                    help="start no further round of repeats once the run would pass this many seconds (0: no limit;"
+                         " every round times every variant, so the round-robin stays whole)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=DEFAULT_OUT)
     cli = ap.parse_args(argv)
@@ -306,7 +309,12 @@ def main(argv=None) -> None:
     meter, timer = PeakRSS(), PhaseTimer()
     raw: dict[str, list[dict]] = {v: [] for v in cli.variants}
     restored_ok = True
+    t_rounds = time.perf_counter()
     for rep in range(cli.repeats):
+        elapsed = time.perf_counter() - t_start
+        if cli.max_seconds and rep and elapsed + (time.perf_counter() - t_rounds) / rep > cli.max_seconds:
+            print(f"stopping after {rep} of {cli.repeats} repeats: --max_seconds {cli.max_seconds} would be exceeded")
+            break
         for v in cli.variants if rep % 2 == 0 else cli.variants[::-1]:  # alternate the order: no position bias
             for k, e in trained.items():
                 restore(e, snaps[k])
@@ -365,7 +373,8 @@ def main(argv=None) -> None:
            "reward model architecture)", "model_dir": model_dir,
            "params": sum(p.numel() for p in rlhf.actor.module.parameters()), "dtype": "fp32", "zero_stage": 0,
            "batch": cli.batch, "train_micro_batch": args[BASELINE].per_device_training_batch_size,
-           "answer_len": cli.answer_len, "ppo_epochs": args[BASELINE].ppo_epochs, "repeats": cli.repeats,
+           "answer_len": cli.answer_len, "ppo_epochs": args[BASELINE].ppo_epochs,
+           "repeats": len(raw[BASELINE]), "repeats_requested": cli.repeats,
            "seed": cli.seed, "quick": cli.quick, "reward": "reward model (frozen engine)",
            "matmul_peak_gflops": {"before": peak_before, "used": peak, "n": 512 if cli.quick else 1024},
            "memory_meter": "PeakRSS (VmHWM after a malloc_trim + clear_refs reset)" if meter.available

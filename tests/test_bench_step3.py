@@ -87,7 +87,8 @@ def _close(shown: float, value: float, cell: str) -> None:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("cost") / "cost.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the child picks its own free rendezvous port: the one this process's engines hold is taken
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "scripts/bench_step3.py", "--quick", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
