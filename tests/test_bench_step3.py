@@ -162,3 +162,20 @@ def test_rendered_table_shows_the_json_numbers(quick):
                 _close(s, v, p.strip("()%"))
     c = report["config"]
     assert c["machine"] in md and f"{c['threads']} thread(s)" in md and f"{c['batch']} answers per step" in md
+
+
+def test_reading_names_a_variant_whose_macro_phase_costs_more_than_the_threshold(quick, tmp_path):
+    """The reading's verdict comes from the numbers: give n5 a macro phase 5% of a PPO step longer than PPO's
+    and it is named as an additional cost; as measured (--quick) the verdict is read off the same rule."""
+    from marlhf.eval.cost_report import MACRO_COST_THRESHOLD
+
+    report, _ = quick
+    V = report["variants"]
+    extra = (V["n5"]["phases_s"]["macro"] - V["ppo"]["phases_s"]["macro"]) / V["ppo"]["step_s"]["median"]
+    holds = "holds here for every MA-PPO variant measured"
+    assert (holds in render_cost_section(quick[1])) == (extra <= MACRO_COST_THRESHOLD)
+    V["n5"]["phases_s"]["macro"] = V["ppo"]["phases_s"]["macro"] + 0.05 * V["ppo"]["step_s"]["median"]
+    path = tmp_path / "inflated.json"
+    path.write_text(json.dumps(report))
+    md = render_cost_section(path)
+    assert holds not in md and "holds here for 0 of 1 variants and not for n5 (+5.0%)" in md
