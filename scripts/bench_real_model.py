@@ -38,18 +38,6 @@ SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shar
 FIXTURE_HH = REPO / "tests/fixtures/real_model/hh_small.jsonl"
 
 
-def matmul_peak_gflops(n: int = 1024, repeats: int = 20) -> float:
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
-
-
 def child(step: int, argv: list[str]) -> None:
     """Run one step's main in this process, then print its peak resident memory."""
     import importlib.util
@@ -105,6 +93,7 @@ def main() -> None:
     import torch
 
     from marlhf.models.pretrained import prepare_smollm2
+    from marlhf.utils.perf import matmul_peak_gflops
 
     model = str(prepare_smollm2())
     data = cli.data or f"Anthropic/hh-rlhf:{SHARED_HH if SHARED_HH.exists() else FIXTURE_HH}"

@@ -1,27 +1,37 @@
-"""Time one MA-PPO step's macro-action work and PPO update on real models, n = 1 (vanilla PPO) vs macro rules.
+"""Cost of one step-3 step for PPO, every MA-PPO variant and every baseline on the same batch (issue 11 §3).
 
-The paper (§3.2, §4) claims macro actions add no measurable cost to a PPO step: the macro computation is a
-few scatter/gathers over (B, T) tensors and the update runs the same forwards/backwards whatever the
-segmentation.  This measures it on the embedded tiny model (actor = critic init = tiny; fp32; ZeRO 0):
+The paper (§3.2, §4) claims macro actions add no measurable cost to a PPO step: the segmentation is a few
+scatter/gathers over (B, T) tensors and the forwards/backwards are the same whatever the segmentation.  This
+times a whole step of each variant of the reproduction sweep (``marlhf/eval/sweep.py`` VARIANTS, their own
+flags parsed into ``RLHFArgs``) on the embedded model (actor = reference = critic init = reward model
+architecture; fp32; ZeRO 0; the tiny launch script's sampling and micro-batch), split into phases:
 
-  1. build the RLHF engine once and collect ONE experience batch (generation + 4 forwards, seeded), so
-     every variant sees the same prompts, answers, log-probs, values and rewards;
-  2. time, on that same experience,
-     (a) the macro part of experience processing (``rollout.macro_advantages``: segmenter + GAE) for every rule
-         (--variants: fixed n=1, n=5, randomized, ppl, word, parsing; cheap, --macro_repeats times), and
-     (b) the full update = macro part + ``MAPPOTrainer.ppo_update`` (actor + critic forward/backward/step)
-         for --update_variants (default all; ~1 s each on 2 idle cores, so on a loaded machine pass e.g.
-         "n=1 (vanilla PPO)" "n=5"), with the engines' weights, Adam state, LR schedule and step counters
-         restored from one snapshot before every timed update (restore not timed), so every variant updates
-         identical weights (checked: weight hashes before each update, and after it across repeats).
+  generation  ``marlhf.generation.sample`` (answers to the prompts, K per prompt for RLOO / GRPO)
+  forwards    experience forwards: actor and reference log-probs, critic values (GAE only), reward model
+  macro       termination rule → segment ids → advantages (macro GAE, or the critic-free estimator)
+  training    the PPO epoch: actor (+ critic) forward, backward and optimizer step per micro-batch
+  other       the rest of the step (per-token KL rewards, statistics, micro-batch plans)
 
-Variants are timed round-robin (each repeat times every variant once) so load bursts from other processes
-hit all of them alike.  Min is the least noisy estimate on a shared machine.
+The phases are read from the trainer's own calls (``MAPPOTrainer.timer``, a ``marlhf.utils.timing``
+PhaseTimer wrapped around the seams), so what is timed is what training runs.  Every timed step starts from
+one snapshot of the trained engines (weights, Adam state, LR schedule, step counters; taken after a warm-up
+step) and the same seed, so every variant generates from the same policy: the GAE variants answer the same
+--batch prompts identically (checked), the group estimators answer the first --batch / K of them K times
+(the same number of answers).  Critic-free variants get no critic (nothing of it runs).  Variants are
+timed round-robin (order alternating per repeat) so load from other processes hits them alike; median and
+min over --repeats.
 
-    python scripts/bench_step3.py [--batch 16] [--answer_len 64] [--repeats 7] [--threads 2] \\
-        [--update_variants all|"n=1 (vanilla PPO)" "n=5" ...] [--out bench_results/step3.json]
+Also reported per variant: generated tokens / s of generation; training tokens / s (real prompt + answer
+tokens per PPO epoch / training seconds); training FLOPs (counted once per variant by torch's
+FlopCounterMode over an untimed identical update: matmuls and attention, forward + backward) / training
+seconds, as a fraction of this machine's fp32 matmul peak measured in the same run (before and after, the
+higher kept); memory: the tensors of the engines the variant uses (weights, gradients, Adam state) and the
+process's peak resident memory during the step above what it held before (``marlhf.utils.perf.PeakRSS``).
 
-Writes the JSON report to --out and a markdown table next to it (same name, .md).
+    python scripts/bench_step3.py [--quick] [--size tiny] [--batch 16] [--answer_len 64] [--repeats 3] \\
+        [--threads 2] [--variants all|ppo n5 grpo ...] [--max_seconds 0] [--out docs/results/cost_per_step.json]
+
+Writes the JSON to --out and the markdown (``marlhf.eval.cost_report.render_cost_section``) next to it (.md).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -46,24 +57,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
+from marlhf.errors import ConfigError  # noqa: E402
+from marlhf.eval.cost_report import PHASES, render_cost_section  # noqa: E402
+from marlhf.eval.sweep import BASELINE, VARIANTS  # noqa: E402
 from marlhf.models.loading import run_tokenizer  # noqa: E402
-from marlhf.rlhf.macro import macro_lengths  # noqa: E402
+from marlhf.rlhf.estimators import needs_critic  # noqa: E402
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
-from marlhf.rlhf.rollout import Experience, macro_advantages  # noqa: E402
 from marlhf.rlhf.trainer import MAPPOTrainer  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
+from marlhf.utils.perf import PeakRSS, matmul_peak_gflops, tensor_megabytes  # noqa: E402
+from marlhf.utils.timing import NO_TIMER, PhaseTimer  # noqa: E402
 
-# name -> RLHFArgs overrides; the first one is the baseline of the ratios
-VARIANTS: dict[str, dict] = {
-    "n=1 (vanilla PPO)": {"termination_condition": "fixed", "ngram": "1"},
-    "n=5": {"termination_condition": "fixed", "ngram": "5"},
-    "n=5, macro ratio": {"termination_condition": "fixed", "ngram": "5", "policy_ratio": "macro"},
-    "randomized": {"termination_condition": "randomized"},
-    "ppl": {"termination_condition": "ppl"},
-    "word": {"termination_condition": "word"},
-    "parsing (text)": {"termination_condition": "parsing"},
-}
-BASELINE, MAIN = "n=1 (vanilla PPO)", "n=5"
+QUICK_VARIANTS = ["ppo", "n5", "grpo"]
+DEFAULT_OUT = "docs/results/cost_per_step.json"
+# the timer's phase names → the reported phases (the rest of the step is "other")
+PHASE_OF = {"generation": "generation", "forward/actor": "forwards", "forward/ref": "forwards",
+            "forward/critic": "forwards", "forward/reward": "forwards", "macro": "macro",
+            "train/actor": "training", "train/critic": "training", "train/ptx": "training"}
 
 
 # ------------------------------------------------------------------------------------------ engine state
@@ -87,71 +97,164 @@ def restore(engine, snap: dict) -> None:
     engine.module.zero_grad(set_to_none=True)
 
 
-def fingerprint(engine) -> str:
-    """Bitwise hash of all weights: equal hashes after equal work prove the restore is exact."""
+def fingerprint(*tensors_or_engines) -> str:
+    """Bitwise hash of tensors / engines' weights: equal hashes after equal work prove a restore exact."""
     h = hashlib.sha256()
-    for name, t in sorted(engine.module.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for x in tensors_or_engines:
+        items = sorted(x.module.state_dict().items()) if hasattr(x, "module") else [("t", x)]
+        for name, t in items:
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-# ------------------------------------------------------------------------------------------ measurement
-def macro_part(trainer: MAPPOTrainer, exp: Experience) -> tuple[Experience, int]:
-    """Step 3 of make_experience alone: termination rule → segment ids → macro advantages/returns (and the
-    number of samples whose parse fell back to fixed n)."""
-    answer = exp.seq[:, exp.prompt_width:]
-    seg, adv, ret, _, fallbacks = macro_advantages(trainer.segmenter, answer, exp.mask, exp.ref_logprobs,
-                                                   exp.values, exp.rewards, trainer.rollout, step=0)
-    return dataclasses.replace(exp, seg=seg, advantages=adv, returns=ret), fallbacks
+def _tensors(obj):
+    """Every tensor inside nested dicts / lists / tuples (an optimizer state_dict)."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
-def summarize(ts: list[float]) -> dict:
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "n": len(ts)}
+def engine_megabytes(engine, trained: bool) -> float:
+    """Weights (+ gradients and optimizer state when trained) of one engine, MB."""
+    params = list(engine.module.parameters())
+    tensors = params + ([p.grad for p in params] + list(_tensors(engine.optimizer.state_dict())) if trained else [])
+    return tensor_megabytes(tensors)
 
 
-def build(cli) -> tuple:
-    """Args, tokenizer, RLHF engine and the prompt batch (the first --batch prompts of the step-3 split)."""
-    model_dir = str(embedded.prepare(size="tiny").model_dir)
-    with tempfile.TemporaryDirectory(prefix="bench_step3_") as tmp:  # only the tokenized-data cache
-        args, _ = parse_args(RLHFArgs, [
-            "--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", model_dir,
+# ------------------------------------------------------------------------------------------ setup
+def base_argv(cli, model_dir: str, tmp: str) -> list[str]:
+    """The tiny launch script's step-3 settings (run_tiny.sh: 16 prompts, one micro-batch, answers <= 64,
+    temperature 0.8, top-k 50, KL 0.5), the reward from the reward model (the paper's setting)."""
+    return ["--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", model_dir,
             "--data_path", "synthetic", "--data_output_path", tmp, "--output_dir", tmp,
             "--per_device_generation_batch_size", str(cli.batch),
             "--per_device_training_batch_size", str(cli.train_batch or cli.batch),
-            "--max_answer_seq_len", str(cli.answer_len), "--seed", str(cli.seed), "--dtype", "fp32",
-            "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--disable_progress_bar"])
-        dist.init_distributed()
-        dist.set_seed(args.seed)
-        tok, _ = run_tokenizer(args, model_dir, padding_side="left")
-        prompts = build_phase_data(args, tok, phase=3).train[:cli.batch]
-    batch = PromptCollator(tok.pad_token_id)(prompts)
-    rlhf = build_rlhf_engine(args, tok, total_steps=100)
-    return args, tok, rlhf, batch, model_dir
+            "--max_prompt_seq_len", "192", "--max_answer_seq_len", str(cli.answer_len), "--seed", str(cli.seed),
+            "--temperature", "0.8", "--top_k", "50", "--kl_ctl", "0.5", "--dtype", "fp32",
+            "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--disable_progress_bar"]
 
 
-def main() -> None:
+def _without(flags: tuple[str, ...], names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """``flags`` minus the ``--name value`` pairs of ``names``: (kept, dropped)."""
+    kept, dropped, i = [], [], 0
+    while i < len(flags):
+        if flags[i] in names:
+            dropped += flags[i:i + 2]
+            i += 2
+        else:
+            kept.append(flags[i])
+            i += 1
+    return kept, dropped
+
+
+def variant_args(name: str, argv: list[str], batch: int) -> tuple[RLHFArgs, dict]:
+    """The variant's sweep flags over the common ones; the group estimators answer batch / K prompts K times
+    (the sweep's 4 x 4 at batch 16), so every variant trains on ``batch`` answers.
+
+    A critic-free variant whose sweep flags RLHFArgs rejects for naming a termination rule under the token
+    ratio (``check_estimator_options``) is timed without those flags — the segmentation they choose is not
+    used by its loss — and the returned note says so (the report prints it)."""
+    flags = VARIANTS[name].flags
+    note = {}
+    try:
+        args, _ = parse_args(RLHFArgs, [*argv, *flags])
+    except ConfigError as err:
+        kept, dropped = _without(flags, ("--termination_condition", "--ngram"))
+        if not dropped or "--advantage_estimator" not in flags:
+            raise
+        args, _ = parse_args(RLHFArgs, [*argv, *kept])
+        note = {"flags_dropped": dropped, "why": str(err)}
+    K = args.num_samples_per_prompt
+    if batch % K:
+        raise SystemExit(f"--batch {batch} is not a multiple of variant {name}'s K = {K} samples per prompt")
+    return dataclasses.replace(args, per_device_generation_batch_size=batch // K), note
+
+
+def machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if ln.startswith("model name")]
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
+
+
+# ------------------------------------------------------------------------------------------ one step
+def run_step(trainer: MAPPOTrainer, batch: dict, seed: int, count_flops: bool = False):
+    """One step as the training loop runs it (experience, then the PPO epoch) from the global seed ``seed``:
+    (experience, wall seconds, training FLOPs or None)."""
+    dist.set_seed(seed)
+    t0 = time.perf_counter()
+    exp, _ = trainer.make_experience(batch["prompt_ids"], batch["prompt_mask"], step=0)
+    if count_flops:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            trainer.ppo_update([exp])
+        return exp, time.perf_counter() - t0, counter.get_total_flops()
+    trainer.ppo_update([exp])
+    return exp, time.perf_counter() - t0, None
+
+
+def phases(timer: PhaseTimer, step_s: float) -> dict[str, float]:
+    """The timer's spans summed into the reported phases, ``other`` = step − the rest (so they sum to the
+    step exactly)."""
+    unknown = set(timer.seconds) - set(PHASE_OF)
+    if unknown:
+        raise RuntimeError(f"timer phases {sorted(unknown)} have no reported phase: add them to PHASE_OF")
+    out = dict.fromkeys(PHASES, 0.0)
+    for name, s in timer.seconds.items():
+        out[PHASE_OF[name]] += s
+    out["other"] = step_s - sum(out[p] for p in PHASES if p != "other")
+    return out
+
+
+def summarize(ts: list[float]) -> dict:
+    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts), "n": len(ts)}
+
+
+# ------------------------------------------------------------------------------------------ main
+def parse_cli(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=16, help="prompts in the one experience batch")
-    ap.add_argument("--answer_len", type=int, default=64, help="max generated tokens")
-    ap.add_argument("--train_batch", type=int, default=0,
-                    help="PPO micro-batch (0: --batch, i.e. one micro-batch)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed round-robin repeats of the full update")
-    ap.add_argument("--macro_repeats", type=int, default=20,
-                    help="timed round-robin repeats of the macro part alone")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smoke run: variants {' '.join(QUICK_VARIANTS)}, the nano model, batch 4, answers <= 16, "
+                         "2 repeats (well under a minute)")
+    ap.add_argument("--size", default=None, help="embedded model size (default tiny; --quick: nano)")
+    ap.add_argument("--batch", type=int, default=None, help="answers per step (default 16; --quick: 4)")
+    ap.add_argument("--answer_len", type=int, default=None, help="max generated tokens (default 64; --quick: 16)")
+    ap.add_argument("--train_batch", type=int, default=0, help="PPO micro-batch (0: --batch, one micro-batch)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed round-robin repeats (default 3; --quick: 2)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (0: torch default)")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
-                    help=f"rules whose macro part is timed: {' | '.join(VARIANTS)}")
-    ap.add_argument("--update_variants", nargs="+", default=["all"], metavar="NAME",
-                    help="rules whose full update is timed too, or 'all'")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                    help=f"sweep variants to time, or 'all' (default all; --quick: {' '.join(QUICK_VARIANTS)}); "
+                         f"{BASELINE} is always timed (the ratios' baseline)")
+    ap.add_argument("--max_seconds", type=float, default=0,
+                    help="start no further round of repeats once the run would pass this many seconds (0: no limit;"
+                         " every round times every variant, so the round-robin stays whole)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--out", default="bench_results/step3.json")
-    cli = ap.parse_args()
-    if cli.update_variants == ["all"]:
-        cli.update_variants = list(VARIANTS)
-    for v in (*cli.variants, *cli.update_variants):
-        if v not in VARIANTS:
-            ap.error(f"unknown variant {v!r}; choose from {list(VARIANTS)}")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    cli = ap.parse_args(argv)
+    q = cli.quick
+    cli.size = cli.size or ("nano" if q else "tiny")
+    cli.batch = cli.batch or (4 if q else 16)
+    cli.answer_len = cli.answer_len or (16 if q else 64)
+    cli.repeats = cli.repeats or (2 if q else 3)
+    names = cli.variants or (QUICK_VARIANTS if q else ["all"])
+    if names == ["all"]:
+        names = list(VARIANTS)
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    cli.variants = [BASELINE] + [v for v in VARIANTS if v in names and v != BASELINE]
+    return cli
+
+
+def main(argv=None) -> None:
+    cli = parse_cli(argv)
     if cli.threads:
         torch.set_num_threads(cli.threads)
     for name in ("DeepSpeed", "deepspeed", "marlhf"):
@@ -159,152 +262,138 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the critic's "score.weight newly initialised" load report is expected
-    updates = [BASELINE] + [v for v in cli.update_variants if v != BASELINE]
-    variants = [v for v in VARIANTS if v in {*cli.variants, *updates}]
+    t_start = time.perf_counter()
+    peak_before = matmul_peak_gflops(512 if cli.quick else 1024, 5 if cli.quick else 20)
 
-    # 1. engines and the one experience batch
-    t0 = time.perf_counter()
-    args, tok, rlhf, batch, model_dir = build(cli)
-    setup_ms = (time.perf_counter() - t0) * 1e3
-    trainers = {v: MAPPOTrainer(dataclasses.replace(args, **VARIANTS[v]), rlhf, tok) for v in variants}
-    t0 = time.perf_counter()
-    exp, exp_stats = trainers[BASELINE].make_experience(batch["prompt_ids"], batch["prompt_mask"], step=0)
-    experience_ms = (time.perf_counter() - t0) * 1e3
+    # 1. one RLHF engine (with a critic) and each variant's trainer over it; critic-free ones see no critic
+    model_dir = str(embedded.prepare(size=cli.size).model_dir)
+    with tempfile.TemporaryDirectory(prefix="bench_step3_") as tmp:  # only the tokenized-data cache
+        argv = base_argv(cli, model_dir, tmp)
+        parsed = {v: variant_args(v, argv, cli.batch) for v in cli.variants}
+        args = {v: a for v, (a, _) in parsed.items()}
+        dist.init_distributed()
+        dist.set_seed(cli.seed)
+        tok, _ = run_tokenizer(args[BASELINE], model_dir, padding_side="left")
+        prompts = build_phase_data(args[BASELINE], tok, phase=3).train[:cli.batch]
+    rlhf = build_rlhf_engine(args[BASELINE], tok, total_steps=100)
+    trainers, batches = {}, {}
+    for v in cli.variants:
+        view = rlhf if needs_critic(args[v].advantage_estimator) else dataclasses.replace(rlhf, critic=None)
+        trainers[v] = MAPPOTrainer(args[v], view, tok)
+        n = args[v].per_device_generation_batch_size
+        batches[v] = PromptCollator(tok.pad_token_id)(prompts[:n])  # collated alone: no extra left padding
+    trained = {"actor": rlhf.actor, "critic": rlhf.critic}
 
-    # warm-up: the macro part of every rule and one update of each timed variant (the first update also
-    # creates the Adam moments, as mid-training); then snapshot — every timed update starts from this state
-    exps, fallbacks, reasons = {}, {}, {}
-    for v in variants:
-        exps[v], fallbacks[v] = macro_part(trainers[v], exp)
-        parser = trainers[v].segmenter.parser
-        reasons[v] = dict(parser.fallback_reasons) if parser is not None else {}
-    for v in updates:
-        trainers[v].ppo_update([exps[v]])
-    snaps = {"actor": snapshot(rlhf.actor), "critic": snapshot(rlhf.critic)}
-    start_fp = {k: fingerprint(getattr(rlhf, k)) for k in snaps}
+    # 2. warm-up: one PPO step creates the Adam moments (as mid-training); every later step starts from here
+    run_step(trainers[BASELINE], batches[BASELINE], cli.seed)
+    snaps = {k: snapshot(e) for k, e in trained.items()}
+    start_fp = fingerprint(*trained.values())
+    megabytes = {k: engine_megabytes(e, trained=k in trained) for k, e in
+                 (("actor", rlhf.actor), ("ref", rlhf.ref), ("critic", rlhf.critic), ("reward", rlhf.reward))}
 
-    # 2a. macro part alone, every rule
-    macro_ms: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(cli.macro_repeats):
-        for v in variants:
-            t0 = time.perf_counter()
-            macro_part(trainers[v], exp)
-            macro_ms[v].append((time.perf_counter() - t0) * 1e3)
-    # 2b. full update (macro part + ppo_update) from the snapshot, round-robin
-    full_macro_ms: dict[str, list[float]] = {v: [] for v in updates}
-    update_ms: dict[str, list[float]] = {v: [] for v in updates}
-    after_fp: dict[str, set[str]] = {v: set() for v in updates}
+    # 3. per variant, untimed: its first step (spaCy / parser loads, allocator warm-up) with FLOPs counted
+    flops, seq_fp, after_fp, counted_fp, tokens = {}, {}, {}, {}, {}
+    for v in cli.variants:
+        for k, e in trained.items():
+            restore(e, snaps[k])
+        exp, _, flops[v] = run_step(trainers[v], batches[v], cli.seed, count_flops=True)
+        seq_fp[v] = {fingerprint(exp.seq)}
+        counted_fp[v] = fingerprint(*trained.values())
+        after_fp[v] = set()
+        tokens[v] = {"answers": int(exp.seq.shape[0]),
+                     "generated": int(exp.attention_mask[:, exp.prompt_width:].sum()),
+                     "train": int(exp.attention_mask.sum()) * args[v].ppo_epochs,
+                     "prompt_width": exp.prompt_width, "answer_width": int(exp.seq.shape[1] - exp.prompt_width)}
+
+    # 4. timed steps, round-robin
+    meter, timer = PeakRSS(), PhaseTimer()
+    raw: dict[str, list[dict]] = {v: [] for v in cli.variants}
     restored_ok = True
-    t_bench = time.perf_counter()
+    t_rounds = time.perf_counter()
     for rep in range(cli.repeats):
-        for v in updates if rep % 2 == 0 else updates[::-1]:  # alternate the order: no position bias
-            for k, snap in snaps.items():
-                restore(getattr(rlhf, k), snap)
-            restored_ok &= all(fingerprint(getattr(rlhf, k)) == start_fp[k] for k in snaps)
-            t0 = time.perf_counter()
-            e, _ = macro_part(trainers[v], exp)
-            t1 = time.perf_counter()
-            trainers[v].ppo_update([e])
-            t2 = time.perf_counter()
-            full_macro_ms[v].append((t1 - t0) * 1e3)
-            update_ms[v].append((t2 - t1) * 1e3)
-            after_fp[v].add(fingerprint(rlhf.actor) + fingerprint(rlhf.critic))
-    bench_ms = (time.perf_counter() - t_bench) * 1e3
-    deterministic = all(len(s) == 1 for s in after_fp.values())
-    # n=1 and n=5 must really train differently (rules whose segmentation equals n=5's, e.g. an all-fallback
-    # parse, give n=5's weights: that is expected)
-    distinct = MAIN not in updates or after_fp[BASELINE] != after_fp[MAIN]
+        elapsed = time.perf_counter() - t_start
+        if cli.max_seconds and rep and elapsed + (time.perf_counter() - t_rounds) / rep > cli.max_seconds:
+            print(f"stopping after {rep} of {cli.repeats} repeats: --max_seconds {cli.max_seconds} would be exceeded")
+            break
+        for v in cli.variants if rep % 2 == 0 else cli.variants[::-1]:  # alternate the order: no position bias
+            for k, e in trained.items():
+                restore(e, snaps[k])
+            restored_ok &= fingerprint(*trained.values()) == start_fp
+            rss_before = meter.start() if meter.available else None
+            trainers[v].timer = timer
+            timer.reset()
+            try:
+                exp, step_s, _ = run_step(trainers[v], batches[v], cli.seed)
+            finally:
+                trainers[v].timer = NO_TIMER
+            rss_peak = meter.stop() if meter.available else None
+            raw[v].append({"step_s": step_s, "phases_s": phases(timer, step_s),
+                           "timer_s": dict(timer.seconds), "timer_calls": dict(timer.calls),
+                           "rss_before_mb": rss_before, "rss_peak_mb": rss_peak})
+            seq_fp[v].add(fingerprint(exp.seq))
+            after_fp[v].add(fingerprint(*trained.values()))
+    peak = max(peak_before, matmul_peak_gflops(512 if cli.quick else 1024, 5 if cli.quick else 20))
 
-    # 3. report
-    results: dict[str, dict] = {}
-    for v in variants:
-        lens = macro_lengths(exps[v].seg)
-        n_macros = int(lens.gt(0).sum())
-        results[v] = {"num_macros": n_macros, "mean_macro_len": float(lens.sum()) / max(n_macros, 1),
-                      "parse_fallbacks": fallbacks[v], "parse_fallback_reasons": reasons[v],
-                      "macro": summarize(macro_ms[v])}
-    for v in updates:
-        full = [m + u for m, u in zip(full_macro_ms[v], update_ms[v])]
-        results[v].update(ppo_update=summarize(update_ms[v]), full=summarize(full))
-    base = results[BASELINE]["full"]
-    for v in updates:
-        r = results[v]["full"]
-        paired = [(m + u) / (m1 + u1) for m, u, m1, u1 in zip(full_macro_ms[v], update_ms[v],
-                                                             full_macro_ms[BASELINE], update_ms[BASELINE])]
-        results[v]["full_over_n1"] = {"median": r["median_ms"] / base["median_ms"],
-                                      "min": r["min_ms"] / base["min_ms"],
-                                      "paired_median": statistics.median(paired)}
-    n_tokens = int(exp.mask.sum())
-    cfg = {"model": "embedded tiny (actor = critic init)", "model_dir": model_dir, "dtype": "fp32",
-           "zero_stage": 0, "batch": cli.batch, "train_micro_batch": args.per_device_training_batch_size,
-           "answer_len": cli.answer_len, "prompt_width": exp.prompt_width,
-           "mean_response_len": float(exp.mask.sum(1).float().mean()), "response_tokens": n_tokens,
-           "repeats": cli.repeats, "macro_repeats": cli.macro_repeats, "seed": cli.seed,
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "machine": platform.processor() or platform.machine(),
-           "restore": "deep copies of module/optimizer/LR-scheduler state_dicts + engine step counters, "
-                      "taken after a warm-up update and restored before every timed update",
-           "restore_verified": restored_ok, "updates_bitwise_deterministic": deterministic,
-           "n1_and_n5_weights_differ": distinct}
-    one_off = {"setup_engines_and_data": setup_ms, "make_experience": experience_ms,
-               "of_which_generation": exp_stats["gen_seconds"] * 1e3, "full_update_loop": bench_ms}
-    report = {"config": cfg, "one_off_ms": one_off, "results": results,
-              "ratio_n5_over_n1_full": results[MAIN].get("full_over_n1") if MAIN in results else None}
-    table = render_table(results, variants, updates)
-    note = render_note(cfg, one_off, results, cli)
-    print(table)
+    # 5. report
+    base_steps = [r["step_s"] for r in raw[BASELINE]]
+    results = {}
+    for v in cli.variants:
+        rows = raw[v]
+        steps = [r["step_s"] for r in rows]
+        med = {p: statistics.median(r["phases_s"][p] for r in rows) for p in PHASES}
+        train_s, gen_s = med["training"], med["generation"]
+        critic = trainers[v].rlhf.critic is not None
+        used = ["actor", "ref", "reward"] + (["critic"] if critic else [])
+        res = {"label": VARIANTS[v].label, "flags": list(VARIANTS[v].flags), **parsed[v][1], "critic": critic,
+               "prompts": args[v].per_device_generation_batch_size,
+               "samples_per_prompt": args[v].num_samples_per_prompt,
+               **tokens[v], "step_s": summarize(steps), "phases_s": med,
+               "timer_s": {k: statistics.median(r["timer_s"].get(k, 0.0) for r in rows)
+                           for k in sorted({k for r in rows for k in r["timer_s"]})},
+               "timer_calls": rows[0]["timer_calls"],
+               "generated_tokens_per_s": tokens[v]["generated"] / gen_s,
+               "train_tokens_per_s": tokens[v]["train"] / train_s,
+               "train_flops": flops[v], "train_gflops_per_s": flops[v] / train_s / 1e9,
+               "train_fraction_of_matmul_peak": flops[v] / train_s / 1e9 / peak,
+               "memory_mb": {"engines_used": sum(megabytes[k] for k in used),
+                             "engines_used_detail": {k: megabytes[k] for k in used}},
+               "ratio_to_ppo": {"median": statistics.median(steps) / statistics.median(base_steps),
+                                "min": min(steps) / min(base_steps),
+                                "paired_median": statistics.median(s / b for s, b in zip(steps, base_steps))},
+               "repeats": rows}
+        if meter.available:
+            res["memory_mb"].update(
+                rss_before=statistics.median(r["rss_before_mb"] for r in rows),
+                rss_peak=statistics.median(r["rss_peak_mb"] for r in rows),
+                step_increase=statistics.median(r["rss_peak_mb"] - r["rss_before_mb"] for r in rows))
+        results[v] = res
+    gae = [v for v in cli.variants if results[v]["critic"]]
+    cfg = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "python": platform.python_version(), "model": f"embedded {cli.size} (actor = reference = critic init = "
+           "reward model architecture)", "model_dir": model_dir,
+           "params": sum(p.numel() for p in rlhf.actor.module.parameters()), "dtype": "fp32", "zero_stage": 0,
+           "batch": cli.batch, "train_micro_batch": args[BASELINE].per_device_training_batch_size,
+           "answer_len": cli.answer_len, "ppo_epochs": args[BASELINE].ppo_epochs,
+           "repeats": len(raw[BASELINE]), "repeats_requested": cli.repeats,
+           "seed": cli.seed, "quick": cli.quick, "reward": "reward model (frozen engine)",
+           "matmul_peak_gflops": {"before": peak_before, "used": peak, "n": 512 if cli.quick else 1024},
+           "memory_meter": "PeakRSS (VmHWM after a malloc_trim + clear_refs reset)" if meter.available
+           else f"unavailable: {meter.why_not}",
+           "wall_s": time.perf_counter() - t_start}
+    checks = {"restore_verified": restored_ok,
+              "same_answers_across_repeats": all(len(s) == 1 for s in seq_fp.values()),
+              "gae_variants_same_answers": len({next(iter(seq_fp[v])) for v in gae}) == 1,
+              "updates_bitwise_deterministic": all(len(s) == 1 for s in after_fp.values()),
+              # informational: FlopCounterMode may route ops through other kernels (last-bit differences)
+              "counted_update_bitwise_equal": {v: after_fp[v] == {counted_fp[v]} for v in cli.variants}}
+    report = {"config": cfg, "checks": checks, "baseline": BASELINE, "phases": list(PHASES), "variants": results}
     out = Path(cli.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    title = "# MA-PPO step benchmark (macro part + PPO update)"
-    out.with_suffix(".md").write_text(f"{title}\n\n{note}\n\n{table}\n")
-    print(f"\n{note}\nwrote {out} and {out.with_suffix('.md')}")
-
-
-def render_table(results: dict, variants: list[str], updates: list[str]) -> str:
-    w = max(len(v) for v in variants) + 2
-    lines = [f"| {'rule':<{w}} | macros | macro part ms (med / min) | ppo_update ms (med / min) "
-             f"| full ms (med / min) | full / n=1 (med / min) |",
-             f"|{'-' * (w + 2)}|-------:|--------------------------:|--------------------------:"
-             f"|--------------------:|-----------------------:|"]
-    for v in variants:
-        r = results[v]
-        m = r["macro"]
-        row = f"| {v:<{w}} | {r['num_macros']:6d} | {m['median_ms']:13.2f} / {m['min_ms']:7.2f} |"
-        if v in updates:
-            u, f, q = r["ppo_update"], r["full"], r["full_over_n1"]
-            row += (f" {u['median_ms']:13.1f} / {u['min_ms']:9.1f} "
-                    f"| {f['median_ms']:8.1f} / {f['min_ms']:8.1f} | {q['median']:10.3f} / {q['min']:9.3f} |")
-        else:
-            row += f" {'-':>25} | {'-':>19} | {'-':>22} |"
-        lines.append(row)
-    if MAIN in updates:
-        q = results[MAIN]["full_over_n1"]
-        lines += ["", f"Full update (macro part + ppo_update) n=5 / n=1: {q['median']:.3f} (ratio of "
-                      f"medians), {q['min']:.3f} (ratio of mins), {q['paired_median']:.3f} (median of "
-                      f"per-repeat ratios)."]
-    return "\n".join(lines)
-
-
-def render_note(cfg: dict, one_off: dict, results: dict, cli) -> str:
-    parse_note = ""
-    if "parsing (text)" in results:
-        r = results["parsing (text)"]
-        parse_note = (f" Parsing rule (spaCy backend via 'auto'): {r['parse_fallbacks']} of {cli.batch} "
-                      f"samples fell back to fixed n (reasons {r['parse_fallback_reasons']}).")
-    return (f"Embedded tiny model (actor = critic init), fp32, ZeRO 0, one experience batch of B={cli.batch} "
-            f"prompts (prompt width {cfg['prompt_width']}), answers <= {cli.answer_len} tokens (mean "
-            f"{cfg['mean_response_len']:.1f}, {cfg['response_tokens']} tokens), PPO micro-batch "
-            f"{cfg['train_micro_batch']}, one PPO epoch; torch {cfg['torch']}, {cfg['threads']} thread(s). "
-            f"'macro part' = segmenter + compute_advantages (median / min of {cli.macro_repeats} round-robin "
-            f"repeats); 'full' = macro part + ppo_update (actor and critic forward/backward/step), median / "
-            f"min of {cli.repeats} round-robin repeats after one warm-up. Engine state (weights, Adam state, "
-            f"LR schedule, step counters) restored from one snapshot before every timed update: restore "
-            f"verified = {cfg['restore_verified']}, post-update weights bitwise identical across repeats = "
-            f"{cfg['updates_bitwise_deterministic']}, different between n=1 and n=5 = "
-            f"{cfg['n1_and_n5_weights_differ']}. One-off: make_experience "
-            f"{one_off['make_experience']:.0f} ms (generation {one_off['of_which_generation']:.0f} ms)."
-            f"{parse_note}")
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    md = render_cost_section(out)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out} and {out.with_suffix('.md')} ({cfg['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

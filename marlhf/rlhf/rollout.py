@@ -26,6 +26,7 @@ from marlhf.models.loading import position_ids_from_mask, token_values
 from marlhf.rlhf.estimators import critic_free_advantages, groups
 from marlhf.rlhf.macro import num_macros
 from marlhf.rlhf.ppo_math import compute_advantages, token_rewards, whiten
+from marlhf.utils.timing import NO_TIMER
 
 
 @dataclass
@@ -109,12 +110,19 @@ def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: in
     return token_values(critic, seq, attention_mask)[:, P - 1:-1]
 
 
-def forwards(actor, ref, critic, s: Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def forwards(actor, ref, critic, s: Samples,
+             timer=NO_TIMER) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward each of actor, reference and critic: (log π_old, log π_ref, V), each (B, A); V is None
-    without a critic."""
+    without a critic.  ``timer``: :mod:`marlhf.utils.timing` (phases ``forward/actor|ref|critic``)."""
     P, seq, attn = s.prompt_width, s.seq, s.attention_mask
-    return (policy_logprobs(actor, seq, attn, P), policy_logprobs(ref, seq, attn, P),
-            critic_values(critic, seq, attn, P) if critic is not None else None)
+    with timer("forward/actor"):
+        logprobs = policy_logprobs(actor, seq, attn, P)
+    with timer("forward/ref"):
+        ref_logprobs = policy_logprobs(ref, seq, attn, P)
+    if critic is None:
+        return logprobs, ref_logprobs, None
+    with timer("forward/critic"):
+        return logprobs, ref_logprobs, critic_values(critic, seq, attn, P)
 
 
 def macro_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -152,15 +160,19 @@ def sequence_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, val
 @torch.no_grad()
 def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor], segmenter,
                     gen_cfg: GenerationConfig, settings: RolloutSettings, prompt_ids: torch.Tensor,
-                    prompt_mask: torch.Tensor, step: int, batch: int = 0) -> tuple[Experience, dict]:
+                    prompt_mask: torch.Tensor, step: int, batch: int = 0,
+                    timer=NO_TIMER) -> tuple[Experience, dict]:
     """Generate, score and segment answers to one prompt batch (``batch``: its index in the step).
 
     ``score``: the samples → (B·K,) sequence scores (the reward source).  Empty and one-token answers are
     masked out of the loss and counted (``invalid_answers``).  ``critic`` is None for the critic-free
-    estimators."""
+    estimators.  ``timer`` (:mod:`marlhf.utils.timing`) times the phases ``generation``, ``forward/*`` and
+    ``macro`` (segmentation + advantages) for the cost benchmark."""
     K = settings.num_samples_per_prompt
     t0 = time.time()
-    out = sample(actor, prompt_ids, prompt_mask, gen_cfg, num_samples=K, zero3_generation=settings.zero3_generation)
+    with timer("generation"):
+        out = sample(actor, prompt_ids, prompt_mask, gen_cfg, num_samples=K,
+                     zero3_generation=settings.zero3_generation)
     gen_time = time.time() - t0
     if out.seq.shape[0] != prompt_ids.shape[0] * K:  # pragma: no cover - sample() guarantees it
         raise AssertionError(f"{out.seq.shape[0]} samples for {prompt_ids.shape[0]} prompts x K={K}")
@@ -170,19 +182,21 @@ def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor]
     content = length - ended.long()  # tokens before the stop token
     valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
 
-    logprobs, ref_logprobs, values = forwards(actor, ref, critic, out)
-    scores = score(out)
+    logprobs, ref_logprobs, values = forwards(actor, ref, critic, out, timer)
+    with timer("forward/reward"):
+        scores = score(out)
 
     loss_mask = mask & valid[:, None]
     rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, settings.reward_kl_ctl,
                             settings.clip_reward_value)
     t1 = time.time()
-    if settings.advantage_estimator == "gae":
-        seg, advantages, returns, mstats, fallbacks = macro_advantages(segmenter, answer, loss_mask, ref_logprobs,
-                                                                       values, rewards, settings, step, batch)
-    else:
-        seg, advantages, returns, mstats, fallbacks = sequence_advantages(
-            segmenter, answer, loss_mask, valid, logprobs, ref_logprobs, scores, settings, step, batch)
+    with timer("macro"):
+        if settings.advantage_estimator == "gae":
+            seg, advantages, returns, mstats, fallbacks = macro_advantages(
+                segmenter, answer, loss_mask, ref_logprobs, values, rewards, settings, step, batch)
+        else:
+            seg, advantages, returns, mstats, fallbacks = sequence_advantages(
+                segmenter, answer, loss_mask, valid, logprobs, ref_logprobs, scores, settings, step, batch)
     macro_time = time.time() - t1
     exp = Experience(out.seq, out.attention_mask, out.prompt_width, loss_mask, logprobs, ref_logprobs, values,
                      scores, rewards, seg, advantages, returns)

@@ -28,6 +28,7 @@ from marlhf.rlhf.segmentation import MacroSegmenter
 from marlhf.rlhf.update import UpdateSettings, ppo_update
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.optim_step import StepGuard
+from marlhf.utils.timing import NO_TIMER
 from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")
@@ -44,6 +45,7 @@ class MAPPOTrainer:
         # the reward source (marlhf.rewards): the frozen reward engine unless another is given
         self.reward = reward if reward is not None else RewardModelSource(rlhf.reward)
         self.guard = StepGuard(args.max_skipped_steps)  # drops non-finite updates, stops after too many
+        self.timer = NO_TIMER  # a marlhf.utils.timing.PhaseTimer times each phase (the cost benchmark)
 
     # -- 1-3. experience (marlhf.rlhf.rollout) ------------------------------------------------------------
     def make_experience(self, prompt_ids, prompt_mask, step: int, batch: int = 0,
@@ -58,12 +60,12 @@ class MAPPOTrainer:
             return score_samples(self.reward, self.tokenizer, s, meta_rows)
 
         return make_experience(self.rlhf.actor, self.rlhf.ref, self.rlhf.critic, score, self.segmenter,
-                               self.gen_cfg, self.rollout, prompt_ids, prompt_mask, step, batch)
+                               self.gen_cfg, self.rollout, prompt_ids, prompt_mask, step, batch, self.timer)
 
     # -- 4. PPO update (marlhf.rlhf.update) ---------------------------------------------------------------
     def ppo_update(self, exps: list[Experience], ptx_batches=None) -> dict:
         """``--ppo_epochs`` passes over the experience (:func:`marlhf.rlhf.update.ppo_update`)."""
-        return ppo_update(self.rlhf.actor, self.rlhf.critic, self.guard, exps, self.update, ptx_batches)
+        return ppo_update(self.rlhf.actor, self.rlhf.critic, self.guard, exps, self.update, ptx_batches, self.timer)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def train(self, prompts: list[dict], ptx_items: list[dict] | None = None, evaluate=None) -> int:

@@ -16,6 +16,7 @@ from marlhf.rlhf.estimators import kl_loss
 from marlhf.rlhf.ppo_math import policy_loss, value_loss
 from marlhf.rlhf.rollout import Experience, critic_values, policy_logprobs
 from marlhf.utils.optim_step import StepGuard, loss_multipliers
+from marlhf.utils.timing import NO_TIMER
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,15 @@ class UpdateSettings:
 
 
 def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSettings,
-               ptx_batches: Iterator[dict] | None = None) -> dict:
+               ptx_batches: Iterator[dict] | None = None, timer=NO_TIMER) -> dict:
     """``ppo_epochs`` passes over the experience in micro-batches of ``micro_batch``; mean statistics.
 
     Every loss is a token mean over the whole optimizer step by default (``--loss_aggregation``,
     :mod:`marlhf.utils.optim_step`): the real tokens of each accumulation window are counted on all
     ranks before the first backward. The actor steps on the policy loss and, with ptx, once more on the
     ptx loss (DeepSpeed-Chat's order), so with ptx its micro-steps alternate policy / ptx. ``critic`` is None
-    for the critic-free estimators: no value loss."""
+    for the critic-free estimators: no value loss.  ``timer`` (:mod:`marlhf.utils.timing`) times each model's
+    forward + backward + optimizer step as ``train/actor``, ``train/critic`` and ``train/ptx``."""
     s = settings
     G = s.gradient_accumulation_steps
     plan = [mb for _ in range(s.ppo_epochs) for exp in exps for mb in exp.split(s.micro_batch)]
@@ -68,29 +70,32 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
         if i % G == 0:
             dropped_before = guard.dropped  # the critic's window starts
         P = mb.prompt_width
-        logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P)
-        pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, s.cliprange,
-                                 seg=mb.seg, ratio=s.policy_ratio)
-        if s.kl_penalty == "loss":  # GRPO's KL term: a token mean, like the policy loss it joins
-            kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
-            pstats["kl_loss"] = kl.detach()
-            pl = pl + s.kl_ctl * kl
-        guard.backward(actor, pl * pl_mult[i], "actor loss")
-        guard.step(actor)
+        with timer("train/actor"):
+            logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P)
+            pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, s.cliprange,
+                                     seg=mb.seg, ratio=s.policy_ratio)
+            if s.kl_penalty == "loss":  # GRPO's KL term: a token mean, like the policy loss it joins
+                kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
+                pstats["kl_loss"] = kl.detach()
+                pl = pl + s.kl_ctl * kl
+            guard.backward(actor, pl * pl_mult[i], "actor loss")
+            guard.step(actor)
         stats = {"actor_loss": pl.item(), **{k: float(v) for k, v in pstats.items()}}
         if critic is not None:
-            values = critic_values(critic, mb.seq, mb.attention_mask, P)
-            vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, s.cliprange_value)
-            # an actor update dropped in this window (non-finite advantages, any rank) drops the critic's too:
-            # the step then skips that data as a whole
-            actor_dropped = i % G == G - 1 and guard.dropped > dropped_before
-            guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
-            guard.step(critic)
+            with timer("train/critic"):
+                values = critic_values(critic, mb.seq, mb.attention_mask, P)
+                vl, vstats = value_loss(values, mb.values, mb.returns, mb.mask, s.cliprange_value)
+                # an actor update dropped in this window (non-finite advantages, any rank) drops the critic's
+                # too: the step then skips that data as a whole
+                actor_dropped = i % G == G - 1 and guard.dropped > dropped_before
+                guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
+                guard.step(critic)
             stats.update(critic_loss=vl.item(), **{k: float(v) for k, v in vstats.items()})
         if ptx is not None:
-            out = actor(**ptx[i], use_cache=False).loss
-            guard.backward(actor, s.unsup_coef * out * ptx_mult[i], "ptx loss")
-            guard.step(actor)
+            with timer("train/ptx"):
+                out = actor(**ptx[i], use_cache=False).loss
+                guard.backward(actor, s.unsup_coef * out * ptx_mult[i], "ptx loss")
+                guard.step(actor)
             stats["ptx_loss"] = out.item()
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
