@@ -13,6 +13,7 @@ import os
 import platform
 from pathlib import Path
 
+from marlhf.eval.cost_report import render_cost_section
 from marlhf.eval.sweep import BASELINE, REWARDS, VARIANTS, VariantResult, improved, steps_to_parity, t_interval
 
 TABLE_KEYS = ("gold_score", "rm_score", "kl", "train_kl", "response_len", "eos_rate")
@@ -205,6 +206,10 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
         lines.append("")
     if dpo is not None:
         lines += dpo_section(dpo, dpo_rows)
+    cost = fig_dir / "cost_per_step.json"  # scripts/bench_step3.py's, when it was run for this report
+    if cost.exists():
+        lines += [render_cost_section(cost).rstrip("\n"), "",
+                  "(`python scripts/bench_step3.py` regenerates this section's JSON; the report reads it.)", ""]
     if real is not None:
         lines += real_section(real)
     lines += ["## The paper's claims at this scale", ""] + (claims(tables) or ["- No finished runs."])
