@@ -60,6 +60,44 @@ def test_each_verdict_gets_its_b5_reward():
     assert got["compile"] == ("compile_error", -1.0)
 
 
+def test_generator_knobs_keep_problems_and_flaw_only_demonstrations():
+    base = generate(SyntheticCodeConfig(num_records=200))
+    flawed = generate(SyntheticCodeConfig(num_records=200, flaw_rate=0.3))
+    # the flaws come from their own random stream: prompts, tests and rejected programs are unchanged
+    assert [(r.prompt, r.meta, r.rejected) for r in flawed] == [(r.prompt, r.meta, r.rejected) for r in base]
+    changed = [(b, f) for b, f in zip(base, flawed) if b.chosen != f.chosen]
+    assert 0.2 < len(changed) / 200 < 0.4
+    for b, f in changed:  # the bug: the result off by one, the program otherwise the reference
+        assert f.chosen.replace(" + 1\n", "\n").replace(" + 1)\n", ")\n") == b.chosen
+    reward = ProgramTestReward(workers=2)
+    bad = [f for _, f in changed[:8]]
+    scores = reward.score([r.prompt for r in bad], [r.chosen for r in bad], [r.meta for r in bad])
+    assert all(s < 1.0 for s in scores)  # a flawed demonstration fails its own tests
+    small = generate(SyntheticCodeConfig(num_records=60, operations=2, max_constant=2, call_based_share=0))
+    assert {r.chosen.splitlines()[1] for r in small} <= {"print(2 * x + 1)", "print(2 * x + 2)", "print(x * x - 2)"}
+    assert not any(r.meta["fn_name"] for r in small)
+    for bad_cfg in ({"flaw_rate": 1.5}, {"operations": 0}, {"operations": 9}, {"max_constant": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad_cfg))):
+            SyntheticCodeConfig(**bad_cfg)
+    assert load_records("synthetic_code:num_records=20,flaw_rate=0.5") == generate(
+        SyntheticCodeConfig(num_records=20, flaw_rate=0.5))
+
+
+def test_program_reward_details_give_the_verdict_mix():
+    r = next(x for x in generate(SyntheticCodeConfig(num_records=20)) if not x.meta["fn_name"])
+    answers = [r.chosen, "print(0)\n", "x = int(input())\nprint(x // 0)\n", "def (:\n"]
+    reward = ProgramTestReward(workers=1)
+    rows = reward.details([r.prompt] * 4, answers, None, [r.meta] * 4)
+    assert [d["total"] for d in rows] == reward.score([r.prompt] * 4, answers, [r.meta] * 4)
+    assert [max(reward.components[:5], key=d.get) for d in rows] == [
+        "pass", "wrong_answer", "runtime_error", "compile_error"]
+    for d in rows:  # exactly one verdict per answer
+        assert sum(d[v] for v in reward.components[:5]) == 1.0 and set(d) == {"total", *reward.components}
+    assert rows[0]["tests_passed"] == 1.0 and rows[3]["tests_passed"] == 0.0
+    with pytest.raises(ValueError, match="record meta"):
+        reward.details([r.prompt], [r.chosen], None, None)
+
+
 @pytest.fixture(scope="module")
 def code_run(tmp_path_factory):
     from marlhf import embedded
@@ -90,7 +128,10 @@ def test_step3_with_program_tests_runs_end_to_end(code_run):
                    for c in _combinations(sorted(b5_values(4)), 4)), r["train/reward"]
     summary = json.loads((out / "summary.json").read_text())
     for policy in ("initial_policy", "final_policy"):
-        assert {"program_score", "response_len", "eos_rate"} <= summary[policy].keys()
+        assert {"program_score", "program_pass", "program_compile_error", "program_tests_passed", "response_len",
+                "eos_rate"} <= summary[policy].keys()
+        verdicts = ("pass", "wrong_answer", "runtime_error", "timeout", "compile_error")
+        assert sum(summary[policy][f"program_{v}"] for v in verdicts) == pytest.approx(1.0)
         assert "rm_score" not in summary[policy] and "gold_score" not in summary[policy]
         assert -1.0 <= summary[policy]["program_score"] <= 1.0
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
