@@ -221,8 +221,8 @@ def test_script_knobs_are_not_environment_overrides(step, tmp_path):
              "MAX_STEPS", "DATA_SPLIT", "DATASET", "PROMPT_LEN", "ANSWER_LEN", "OUTPUT", "EPOCHS",
              "GLOBAL_BATCH", "LR", "PER_DEVICE", "ZERO_STAGE", "PPO_BATCH", "ACTOR_LR", "CRITIC_LR",
              "WARMUP_STEPS", "TRAIN_PER_DEVICE", "TEMPERATURE", "TOP_K", "PRINT_INTERVAL", "GRAD_ACCUM",
-             "GEN_PER_DEVICE", "WORLD", "FLAGS", "DEVICE", "ACTOR_ZERO_STAGE", "CRITIC_ZERO_STAGE", "BETA", "ADV_ESTIMATOR",
-             "SAMPLES_PER_PROMPT"]
+             "GEN_PER_DEVICE", "WORLD", "FLAGS", "DEVICE", "ACTOR_ZERO_STAGE", "CRITIC_ZERO_STAGE", "BETA",
+             "ADV_ESTIMATOR", "SAMPLES_PER_PROMPT"]
     for rel in ("gemma/run_7b.sh", "tiny/run_tiny.sh"):
         _, clean = launch_and_parse(script(step, rel), tmp_path)
         _, noisy = launch_and_parse(script(step, rel), tmp_path, **dict.fromkeys(knobs, "1"))
