@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import STEP3, load_main
+from conftest import REPO, STEP1, STEP3, load_main
 
 from marlhf.code.reward import ProgramTestReward, run_responses
 from marlhf.data.adapters import load_records
@@ -60,6 +60,44 @@ def test_each_verdict_gets_its_b5_reward():
     assert got["compile"] == ("compile_error", -1.0)
 
 
+def test_generator_knobs_keep_problems_and_flaw_only_demonstrations():
+    base = generate(SyntheticCodeConfig(num_records=200))
+    flawed = generate(SyntheticCodeConfig(num_records=200, flaw_rate=0.3))
+    # the flaws come from their own random stream: prompts, tests and rejected programs are unchanged
+    assert [(r.prompt, r.meta, r.rejected) for r in flawed] == [(r.prompt, r.meta, r.rejected) for r in base]
+    changed = [(b, f) for b, f in zip(base, flawed) if b.chosen != f.chosen]
+    assert 0.2 < len(changed) / 200 < 0.4
+    for b, f in changed:  # the bug: the result off by one, the program otherwise the reference
+        assert f.chosen.replace(" + 1\n", "\n").replace(" + 1)\n", ")\n") == b.chosen
+    reward = ProgramTestReward(workers=2)
+    bad = [f for _, f in changed[:8]]
+    scores = reward.score([r.prompt for r in bad], [r.chosen for r in bad], [r.meta for r in bad])
+    assert all(s < 1.0 for s in scores)  # a flawed demonstration fails its own tests
+    small = generate(SyntheticCodeConfig(num_records=60, operations=2, max_constant=2, call_based_share=0))
+    assert {r.chosen.splitlines()[1] for r in small} <= {"print(2 * x + 1)", "print(2 * x + 2)", "print(x * x - 2)"}
+    assert not any(r.meta["fn_name"] for r in small)
+    for bad_cfg in ({"flaw_rate": 1.5}, {"operations": 0}, {"operations": 9}, {"max_constant": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad_cfg))):
+            SyntheticCodeConfig(**bad_cfg)
+    assert load_records("synthetic_code:num_records=20,flaw_rate=0.5") == generate(
+        SyntheticCodeConfig(num_records=20, flaw_rate=0.5))
+
+
+def test_program_reward_details_give_the_verdict_mix():
+    r = next(x for x in generate(SyntheticCodeConfig(num_records=20)) if not x.meta["fn_name"])
+    answers = [r.chosen, "print(0)\n", "x = int(input())\nprint(x // 0)\n", "def (:\n"]
+    reward = ProgramTestReward(workers=1)
+    rows = reward.details([r.prompt] * 4, answers, None, [r.meta] * 4)
+    assert [d["total"] for d in rows] == reward.score([r.prompt] * 4, answers, [r.meta] * 4)
+    assert [max(reward.components[:5], key=d.get) for d in rows] == [
+        "pass", "wrong_answer", "runtime_error", "compile_error"]
+    for d in rows:  # exactly one verdict per answer
+        assert sum(d[v] for v in reward.components[:5]) == 1.0 and set(d) == {"total", *reward.components}
+    assert rows[0]["tests_passed"] == 1.0 and rows[3]["tests_passed"] == 0.0
+    with pytest.raises(ValueError, match="record meta"):
+        reward.details([r.prompt], [r.chosen], None, None)
+
+
 @pytest.fixture(scope="module")
 def code_run(tmp_path_factory):
     from marlhf import embedded
@@ -73,7 +111,8 @@ def code_run(tmp_path_factory):
                       "--max_answer_seq_len", "16", "--per_device_generation_batch_size", "4",
                       "--per_device_training_batch_size", "4", "--max_steps", "3", "--max_eval_samples", "4",
                       "--termination_condition", "parsing", "--ngram", "3", "--disable_progress_bar",
-                      "--seed", "3", "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3"])
+                      "--seed", "3", "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3",
+                      "--save_steps", "3"])
     return out, nano
 
 
@@ -90,7 +129,10 @@ def test_step3_with_program_tests_runs_end_to_end(code_run):
                    for c in _combinations(sorted(b5_values(4)), 4)), r["train/reward"]
     summary = json.loads((out / "summary.json").read_text())
     for policy in ("initial_policy", "final_policy"):
-        assert {"program_score", "response_len", "eos_rate"} <= summary[policy].keys()
+        assert {"program_score", "program_pass", "program_compile_error", "program_tests_passed", "response_len",
+                "eos_rate"} <= summary[policy].keys()
+        verdicts = ("pass", "wrong_answer", "runtime_error", "timeout", "compile_error")
+        assert sum(summary[policy][f"program_{v}"] for v in verdicts) == pytest.approx(1.0)
         assert "rm_score" not in summary[policy] and "gold_score" not in summary[policy]
         assert -1.0 <= summary[policy]["program_score"] <= 1.0
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -102,6 +144,29 @@ def test_step3_with_program_tests_runs_end_to_end(code_run):
     assert critic["score.weight"].shape[0] == 1
     for key in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
         assert (critic[key] - actor_init[key]).abs().max() < 5e-3, key
+
+
+def test_step3_checkpoint_exports_actor_and_critic(code_run, tmp_path):
+    """inference/export.py --from_checkpoint on a step-3 run: the actor and the critic rebuilt from the
+    DeepSpeed checkpoint of the last step give the logits / values of the run's own exported models."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from marlhf.errors import run_cli
+
+    out, _ = code_run
+    assert (out / "checkpoints" / "step00000003").is_dir()
+    export = load_main(REPO / "inference" / "export.py")
+    for part, cls in (("actor", AutoModelForCausalLM), ("critic", AutoModelForSequenceClassification)):
+        dest = tmp_path / part
+        assert run_cli(export, ["--input", str(out), "--from_checkpoint", "--model", part,
+                                "--output_dir", str(dest)]) == 0
+        tok = AutoTokenizer.from_pretrained(dest)
+        ids = tok(["\nQUESTION:\nprint x\nANSWER:\n", "x = 1"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            want = cls.from_pretrained(out / part)(**ids).logits
+            got = cls.from_pretrained(dest)(**ids).logits
+        assert torch.equal(got, want), part
+        assert "Step:** 3" in (dest / "README.md").read_text()
 
 
 def _combinations(values, k):
@@ -119,3 +184,45 @@ def test_program_tests_need_tests_in_meta(tmp_path):
         load_main(STEP3)(["--actor_model_name_or_path", str(nano), "--data_path", "synthetic:num_records=100",
                           "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path),
                           "--reward_source", "program_tests", "--max_steps", "1", "--disable_progress_bar"])
+
+
+# A code task small enough to learn in a minute: stdin programs of two formulas with constants <= 2, half of
+# the demonstrations carrying the off-by-one bug.  A short SFT copies the bug at about that rate; the program
+# tests are the only thing that tells it apart.
+LEARN_DATA = "synthetic_code:num_records=600,operations=2,max_constant=2,call_based_share=0,flaw_rate=0.5"
+# measured once on 2 cores (seed 1): held-out reward 0.347 -> 0.630, pass rate 0.533 -> 0.733 on 30 problems
+SFT_STEPS, RL_STEPS, RL_LR = "80", "10", "1e-4"
+MIN_REWARD_GAIN, MIN_PASS_GAIN = 0.15, 0.1
+
+
+@pytest.mark.slow
+def test_step3_program_tests_raise_the_held_out_reward(tmp_path):
+    """Step 1 on the tiny model, then a few GRPO steps of step 3 with ``--reward_source program_tests``: on the
+    held-out problems (same prompts, same sampling seed before and after) the mean B.5 reward and the pass
+    rate rise, and so does the training reward."""
+    from marlhf import embedded
+
+    tiny = embedded.prepare(size="tiny").model_dir
+    common = ["--data_path", LEARN_DATA, "--data_split", "5,0,5", "--data_output_path", str(tmp_path / "data"),
+              "--disable_progress_bar", "--seed", "1"]
+    load_main(STEP1)(["--model_name_or_path", str(tiny), "--output_dir", str(tmp_path / "sft"),
+                      "--max_seq_len", "160", "--per_device_train_batch_size", "16", "--learning_rate", "2e-3",
+                      "--num_train_epochs", "100", "--max_steps", SFT_STEPS, "--lr_scheduler_type", "constant",
+                      "--max_eval_samples", "8", *common])
+    out = tmp_path / "rl"
+    load_main(STEP3)(["--actor_model_name_or_path", str(tmp_path / "sft"), "--output_dir", str(out),
+                      "--reward_source", "program_tests", "--reward_workers", "2", "--max_prompt_seq_len", "128",
+                      "--max_answer_seq_len", "40", "--advantage_estimator", "grpo", "--num_samples_per_prompt", "4",
+                      "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "16",
+                      "--max_steps", RL_STEPS, "--max_eval_samples", "32", "--kl_ctl", "0", "--temperature", "1.0",
+                      "--top_k", "0", "--actor_learning_rate", RL_LR, "--lr_scheduler_type", "constant", *common])
+    summary = json.loads((out / "summary.json").read_text())
+    before, after = summary["initial_policy"], summary["final_policy"]
+    assert before["num_prompts"] == after["num_prompts"] >= 16
+    # the SFT policy writes the bug on about half of its answers: room to improve
+    assert 0.1 < before["program_pass"] < 0.7, before
+    assert after["program_score"] > before["program_score"] + MIN_REWARD_GAIN, (before, after)
+    assert after["program_pass"] > before["program_pass"] + MIN_PASS_GAIN, (before, after)
+    rewards = [m["train/reward"] for m in read_metrics(out) if "train/reward" in m]
+    half = len(rewards) // 2
+    assert sum(rewards[half:]) / (len(rewards) - half) > sum(rewards[:half]) / half, rewards

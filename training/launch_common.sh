@@ -42,6 +42,8 @@ TEMPERATURE=0.8            # step 3 sampling: Table 5's text tasks (top-p is 1.0
 TOP_K=50
 PRINT_INTERVAL=50          # step 3: PPO steps between printed sample answers
 PPO_TASK_ARGS=()           # step 3: the task's own flags (code: see code_reward)
+ADV_ESTIMATOR=""           # step 3: --advantage_estimator; "" = main.py's gae (MA-PPO with a critic)
+SAMPLES_PER_PROMPT=1       # step 3: answers per prompt (K of RLOO / GRPO); PPO_BATCH counts answers
 DEVICE=GPU                 # what one rank is called in error messages
 
 # -------------------------------------------------------------------------------------------- the tasks
@@ -73,6 +75,18 @@ tiny_task() {
     [[ "$TASK" == synthetic ]] \
         || die "tiny scripts run the synthetic task, not TASK=$TASK; set DATA_PATH instead"
     DATASET=synthetic DATA_SPLIT=2,4,4 PROMPT_LEN=192 ANSWER_LEN=64 DTYPE=fp32 DEVICE=rank
+}
+
+# tiny_code_task: the generated code task of the tiny code scripts (synthetic_code: one-line arithmetic
+# problems with unit tests in APPS layout, the CodeGemma scripts' task in miniature), sized for 2 CPU cores:
+# B.2's 20% SFT / 80% PPO split of 8000 problems, prompts <= 128 and answers <= 48 tokens, fp32.  30% of the
+# demonstrations carry a bug (flaw_rate: the result off by one), as scraped solutions do: the SFT policy
+# writes it too, and step 3's program tests are what teach the policy to drop it.
+tiny_code_task() {
+    TASK=${TASK:-synthetic_code}
+    [[ "$TASK" == synthetic_code ]] \
+        || die "tiny code scripts run the synthetic_code task, not TASK=$TASK; set DATA_PATH instead"
+    DATASET=synthetic_code:num_records=8000,flaw_rate=0.3 DATA_SPLIT=2,0,8 PROMPT_LEN=128 ANSWER_LEN=48 DTYPE=fp32 DEVICE=rank
 }
 
 # by_task tldr=V1 hh=V2 webgpt=V3: the value listed for $TASK, for Table 5 rows that differ by task.
@@ -133,16 +147,17 @@ grad_accum() {
 }
 
 # ppo_batches PPO_BATCH GEN_BATCHES TRAIN_PER_DEVICE: sets GEN_PER_DEVICE, the prompts each device generates
-# per batch, and GRAD_ACCUM, so that actor and critic take one optimizer step per PPO batch:
-#   PPO_BATCH = GEN_PER_DEVICE x GEN_BATCHES x WORLD = TRAIN_PER_DEVICE x GRAD_ACCUM x WORLD.
+# per batch, and GRAD_ACCUM, so that actor and critic take one optimizer step per PPO batch of answers, K =
+# SAMPLES_PER_PROMPT of each prompt:
+#   PPO_BATCH = GEN_PER_DEVICE x K x GEN_BATCHES x WORLD = TRAIN_PER_DEVICE x GRAD_ACCUM x WORLD.
 ppo_batches() {
-    local batch=$1 chunks=$2 micro=$3
-    (( WORLD > 0 && batch % (WORLD * chunks) == 0 )) \
-        || die "PPO batch $batch is not a multiple of $WORLD ${DEVICE}s x GENERATION_BATCHES $chunks"
-    GEN_PER_DEVICE=$((batch / (WORLD * chunks)))
-    (( GEN_PER_DEVICE % micro == 0 )) \
-        || die "$GEN_PER_DEVICE prompts per $DEVICE: not a multiple of PER_DEVICE_TRAIN_BATCH $micro"
-    GRAD_ACCUM=$((GEN_PER_DEVICE * chunks / micro))
+    local batch=$1 chunks=$2 micro=$3 k=$SAMPLES_PER_PROMPT
+    (( WORLD > 0 && batch % (WORLD * chunks * k) == 0 )) \
+        || die "PPO batch $batch is not a multiple of $WORLD ${DEVICE}s x GENERATION_BATCHES $chunks x $k answers per prompt"
+    GEN_PER_DEVICE=$((batch / (WORLD * chunks * k)))
+    (( GEN_PER_DEVICE * k % micro == 0 )) \
+        || die "$((GEN_PER_DEVICE * k)) answers per $DEVICE: not a multiple of PER_DEVICE_TRAIN_BATCH $micro"
+    GRAD_ACCUM=$((GEN_PER_DEVICE * k * chunks / micro))
 }
 
 # --------------------------------------------------------------------------------------------- the flags
@@ -200,8 +215,10 @@ ppo_flags() {
             --kl_ctl "$KL_CTL" --cliprange 0.2 --cliprange_value 0.2 --gamma 1.0 --lam 0.95
             --temperature "$TEMPERATURE" --top_k "$TOP_K" --top_p 1.0
             --termination_condition "${TERMINATION:-fixed}" --ngram "${NGRAM:-5}" --value_function equal
-            "${PPO_TASK_ARGS[@]}"
-            --actor_zero_stage "$ACTOR_ZERO_STAGE" --critic_zero_stage "$CRITIC_ZERO_STAGE")
+            "${PPO_TASK_ARGS[@]}")
+    if [[ -n "$ADV_ESTIMATOR" ]]; then FLAGS+=(--advantage_estimator "$ADV_ESTIMATOR"); fi
+    if (( SAMPLES_PER_PROMPT > 1 )); then FLAGS+=(--num_samples_per_prompt "$SAMPLES_PER_PROMPT"); fi
+    FLAGS+=(--actor_zero_stage "$ACTOR_ZERO_STAGE" --critic_zero_stage "$CRITIC_ZERO_STAGE")
     # a model that needs parameter offload does not fit whole on one GPU: fetch ZeRO-3 layers per token
     if (( OFFLOAD )); then FLAGS+=(--offload --offload_reference_model --zero3_generation synced); fi
     if (( GRADIENT_CHECKPOINTING )); then

@@ -8,6 +8,13 @@ cases), ``difficulty`` "introductory", ``fn_name``, ``starter_code`` and ``probl
 one-line formula over one or two integers, so step 3 with ``--reward_source program_tests`` runs end to end
 on CPU with the embedded tiny model in a handful of steps.  Deterministic in the config: problem i depends
 on (seed, i) only.
+
+Knobs for experiments (the defaults give the original task): ``operations`` keeps the first k formula
+templates, ``max_constant`` bounds the constants, and ``flaw_rate`` makes that share of the demonstrations
+(``chosen``, what step 1 imitates) buggy — the result off by one (``... + 1``), as scraped solutions carry bugs
+— so an SFT policy writes the bug at about that rate and step 3's program tests have something to remove
+(``scripts/bench_code_task.py``).  Flaws are drawn from their own random stream: the problems, tests and
+``rejected`` programs do not depend on ``flaw_rate``.
 """
 
 from __future__ import annotations
@@ -38,12 +45,20 @@ class SyntheticCodeConfig:
     num_records: int = 400
     num_tests: int = 4  # unit tests per problem
     call_based_share: float = 0.5  # share of problems asking for a function instead of a stdin program
+    operations: int = len(FORMULAS)  # the first k formula templates are used
+    max_constant: int = 9  # constants a in [2, max], b in [1, max]
+    flaw_rate: float = 0.0  # share of demonstrations (``chosen``) whose result is off by one
 
     def __post_init__(self):
         if self.num_records < 1 or self.num_tests < 1:
             raise ValueError("num_records and num_tests must be >= 1")
-        if not 0 <= self.call_based_share <= 1:
-            raise ValueError(f"call_based_share must be in [0, 1], got {self.call_based_share}")
+        for name in ("call_based_share", "flaw_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 1 <= self.operations <= len(FORMULAS):
+            raise ValueError(f"operations must be in [1, {len(FORMULAS)}], got {self.operations}")
+        if self.max_constant < 2:
+            raise ValueError(f"max_constant must be >= 2, got {self.max_constant}")
 
 
 def _program(expr: str, names: list[str], fn_name: str | None) -> str:
@@ -57,8 +72,8 @@ def problem(seed: int, index: int, cfg: SyntheticCodeConfig | None = None) -> Re
     """Problem ``index`` of the task seeded ``seed``."""
     cfg = cfg or SyntheticCodeConfig(seed=seed)
     rng = random.Random(f"marlhf-synthetic-code-v1:{seed}:{index}")
-    template, words = rng.choice(FORMULAS)
-    a, b = rng.randint(2, 9), rng.randint(1, 9)
+    template, words = rng.choice(FORMULAS[:cfg.operations])
+    a, b = rng.randint(2, cfg.max_constant), rng.randint(1, cfg.max_constant)
     expr, said = template.format(a=a, b=b), words.format(a=a, b=b)
     wrong = template.format(a=a + 1, b=b + 1)  # the rejected program: its constants off by one
     names = ["x", "y"] if "y" in expr else ["x"]
@@ -79,7 +94,9 @@ def problem(seed: int, index: int, cfg: SyntheticCodeConfig | None = None) -> Re
         io_spec = {"inputs": [" ".join(map(str, c)) + "\n" for c in cases], "outputs": [f"{r}\n" for r in results]}
     meta = {"problem_id": f"synthetic_code-{seed}-{index}", "difficulty": "introductory", "fn_name": fn_name,
             "starter_code": starter, "input_output": io_spec}
-    return Record(prompt=apps_prompt(question, starter, call_based=call), chosen=_program(expr, names, fn_name),
+    flawed = random.Random(f"marlhf-synthetic-code-flaw:{seed}:{index}").random() < cfg.flaw_rate
+    shown = f"{expr} + 1" if flawed else expr  # the demonstration's bug: its result off by one
+    return Record(prompt=apps_prompt(question, starter, call_based=call), chosen=_program(shown, names, fn_name),
                   rejected=_program(wrong, names, fn_name), source=f"synthetic_code:{index}", meta=meta)
 
 
