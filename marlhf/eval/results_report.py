@@ -117,6 +117,16 @@ def plot_curves(results: dict[str, VariantResult], path: Path, title: str) -> Pa
     return path
 
 
+def ci_order(a: dict, b: dict) -> int:
+    """+1 / -1 when ``a``'s 95% interval lies wholly above / below ``b``'s, else 0 (one seed: no interval)."""
+    def half(c: dict) -> float:
+        return 0.0 if math.isnan(c["ci95"]) else c["ci95"]
+
+    if a["mean"] - half(a) > b["mean"] + half(b):
+        return 1
+    return -1 if a["mean"] + half(a) < b["mean"] - half(b) else 0
+
+
 def claims(tables: dict[str, list[dict]]) -> list[str]:
     """The paper's claims, each stated as reproduced / not reproduced / not measured from the tables."""
     out = []
@@ -147,8 +157,7 @@ def claims(tables: dict[str, list[dict]]) -> list[str]:
                        "faster, but less than the claimed 1.7×" if p is not None and p < 1 else "not faster")
             b, m = base.get(key), r.get(key)
             if b and m:
-                half = lambda c: 0.0 if math.isnan(c["ci95"]) else c["ci95"]  # noqa: E731
-                if m["mean"] - half(m) > b["mean"] + half(b):
+                if ci_order(m, b) > 0:
                     end = "ends higher (CIs apart)"
                 else:
                     end = "ends higher, within the CIs" if m["mean"] > b["mean"] else "does not end higher"
@@ -292,11 +301,9 @@ def baseline_claims(tables: dict[str, list[dict]], dpo_rows: list[dict] | None) 
     """App. C.3 / Table 7: MA-PPO against RLOO and DPO, on the held-out gold score (the yardstick every
     setting shares): stated as ends higher (CIs apart) / within the CIs / lower."""
     def versus(a: dict, b: dict) -> str:
-        half = lambda c: 0.0 if math.isnan(c["ci95"]) else c["ci95"]  # noqa: E731
-        if a["mean"] - half(a) > b["mean"] + half(b):
-            return "higher, CIs apart"
-        if a["mean"] + half(a) < b["mean"] - half(b):
-            return "lower, CIs apart"
+        order = ci_order(a, b)
+        if order:
+            return "higher, CIs apart" if order > 0 else "lower, CIs apart"
         return "higher, within the CIs" if a["mean"] > b["mean"] else "lower, within the CIs"
 
     out = []
