@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from marlhf.config import RLHFArgs  # noqa: E402
+from marlhf.eval import records as sweep_records  # noqa: E402
 from marlhf.eval import sweep  # noqa: E402
 from marlhf.eval.results_report import write_report  # noqa: E402
 
@@ -81,6 +82,11 @@ def parse_args(argv=None):
                    help="Optimizer steps of the real-model track's steps 1, 2 and 3 (each PPO variant).")
     p.add_argument("--parallel", type=int, default=1, help="Step-3 runs at a time, the cores split between them "
                    "(tiny runs use several cores poorly; results do not depend on it beyond float rounding).")
+    p.add_argument("--records", help="Keep the small files every finished run is read from (summary, metrics, "
+                   "args; DPO's and the real-model track's results) in this folder, e.g. docs/results/runs, so the "
+                   "sweep outlives the machine: a later call with an empty --out restores them (when its SFT and "
+                   "reward model have the recorded weights' digests) and runs only what is missing; "
+                   "'--report_only --out RECORDS' writes the report from the records alone.")
     p.add_argument("--lock", help="Take this file lock (flock) around each run, so other heavy jobs on a shared "
                    "machine interleave between runs instead of skewing their timings.")
     args = p.parse_args(argv)
@@ -157,6 +163,8 @@ def real_track(args, root: Path) -> dict:
     from marlhf.models.pretrained import PretrainedUnavailableError, prepare_smollm2
 
     out = root / "real"
+    if (out / "summary.json").exists():  # finished (or restored from --records)
+        return json.loads((out / "summary.json").read_text())
     try:
         model = str(prepare_smollm2()) if args.real_model == "smollm2" else args.real_model
     except PretrainedUnavailableError as err:
@@ -200,6 +208,7 @@ def real_track(args, root: Path) -> dict:
         rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
         result["variants"][v] = {"before": summary["initial_policy"], "after": summary["final_policy"],
                                  "samples": [{"prompt": r["prompt"][-300:], "response": r["response"]} for r in rows]}
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -270,6 +279,19 @@ def main(argv=None) -> int:
         print(f"variant {v!r} cannot run in this build: step 3 has no {', '.join(needs)} flag", file=sys.stderr)
     sft, rm, commands = base_models(args, root)
     specs = sweep.plan(root, args.rewards, variants, args.seeds)
+    run_dirs = [s.out for s in specs]
+
+    def keep() -> None:  # after every piece of work: the records always hold everything finished
+        if args.records and not args.dry_run and not args.report_only:
+            sweep_records.archive(root, Path(args.records), run_dirs)
+
+    if args.records and not args.dry_run and not args.report_only:
+        try:
+            sweep_records.check_base(Path(args.records), sft, rm)
+        except sweep_records.RecordsMismatch as err:
+            raise SystemExit(f"error: {err}") from None
+        restored = sweep_records.restore(Path(args.records), root, run_dirs)
+        print(f"restored {restored} files of finished runs from {args.records}", flush=True)
     todo = sweep.missing(specs)
     print(f"{len(specs)} runs, {len(specs) - len(todo)} done, {len(todo)} to run", flush=True)
     for i, spec in enumerate(specs):
@@ -288,10 +310,15 @@ def main(argv=None) -> int:
         for s in chunk:
             print(f"[{specs.index(s) + 1}/{len(specs)}] {s.reward}/{s.variant}/seed{s.seed}: "
                   f"{time.time() - t0:.0f} s" + (f" ({len(chunk)} at once)" if len(chunk) > 1 else ""), flush=True)
+        keep()
     dpo = dpo_track(args, root, sft, rm, specs, commands)
+    keep()
     if dpo is not None and "skipped" in dpo:
         print(f"DPO skipped: {dpo['skipped']}", flush=True)
-    real = real_track(args, root) if args.real_model else None
+    recorded_real = root / "real" / "summary.json"
+    real = real_track(args, root) if args.real_model else (
+        json.loads(recorded_real.read_text()) if recorded_real.exists() else None)
+    keep()
     if real is not None and "skipped" in real:
         print(f"real-model track skipped: {real['skipped']}", flush=True)
     if args.dry_run:

@@ -122,6 +122,51 @@ def test_unknown_variant_is_refused(tmp_path):
         sweep.plan(tmp_path, ["gold"], ["n7"], [1])
 
 
+def test_records_keep_finished_runs_only_and_refuse_other_starting_weights(runs, tmp_path):
+    """--records: archive copies the report's files of finished runs (not an unfinished one, not checkpoints);
+    restore puts them back in a fresh --out where they count as done and read back equal; base.json refuses
+    to continue from other SFT/RM weights, naming them."""
+    from marlhf.eval import records
+
+    root, _, _ = runs
+    specs = sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3, 4])  # seed 4: never started
+    unfinished = root / "gold" / "ppo" / "seed3"
+    (unfinished / "summary.json").rename(unfinished / "was_summary.json")
+    (root / "gold" / "n5" / "seed1" / "checkpoint").mkdir()
+    (root / "gold" / "n5" / "seed1" / "checkpoint" / "model.pt").write_bytes(b"x" * 1000)
+    kept = tmp_path / "records"
+    assert records.archive(root, kept, [s.out for s in specs]) == 5 * 2  # summary + metrics of 5 finished runs
+    assert records.archive(root, kept, [s.out for s in specs]) == 0  # unchanged files are not rewritten
+    assert not (kept / "gold" / "ppo" / "seed3").exists()
+    assert not (kept / "gold" / "n5" / "seed1" / "checkpoint").exists()
+
+    fresh = tmp_path / "fresh"
+    fresh_specs = sweep.plan(fresh, ["gold"], ["ppo", "n5"], [1, 2, 3, 4])
+    (fresh / "gold" / "n5" / "seed2").mkdir(parents=True)  # a partial run there: the record replaces it
+    (fresh / "gold" / "n5" / "seed2" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert records.restore(kept, fresh, [s.out for s in fresh_specs]) == 10
+    assert [s.done for s in fresh_specs] == [s.done for s in specs]
+    for a, b in zip(specs, fresh_specs):
+        if a.done:
+            assert sweep.read_run(a.out) == sweep.read_run(b.out)
+
+    def model(folder: Path, weights: bytes) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(weights)
+        (folder / "config.json").write_text("{}")
+        return folder
+
+    sft, rm = model(tmp_path / "sft", b"sft weights"), model(tmp_path / "rm", b"rm weights")
+    first = records.check_base(kept, sft, rm)
+    assert json.loads((kept / "base.json").read_text()) == first
+    assert records.check_base(kept, sft, rm) == first
+    (rm / "config.json").write_text('{"x": 1}')  # not weights: no change
+    assert records.check_base(kept, sft, rm) == first
+    (rm / "model.safetensors").write_bytes(b"rm weights, trained elsewhere")
+    with pytest.raises(records.RecordsMismatch, match=r"base.json.*other rm weights"):
+        records.check_base(kept, sft, rm)
+
+
 def table_rows(text: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for line in text.splitlines() if line.startswith("| ") and "---" not in line
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
@@ -132,8 +177,9 @@ def test_quick_sweep_end_to_end(tmp_path):
     """``--quick``: steps 1–2 briefly, PPO and MA-PPO n = 5 for 2 seeds x 3 steps with the gold reward, held-out
     evaluation every step, DPO for 3 steps; the report's numbers are the runs' own, and a rerun trains nothing."""
     out, report = tmp_path / "repro", tmp_path / "docs" / "results.md"
+    kept = tmp_path / "records"
     cmd = [sys.executable, "scripts/reproduce.py", "--quick", "--out", str(out), "--report", str(report),
-           "--parallel", "2"]
+           "--parallel", "2", "--records", str(kept)]
     # its own ports and data cache: the launch scripts' defaults (29500, /tmp/data_files) may be taken
     env = {**os.environ, "MASTER_PORT": "29683", "DATA_OUTPUT_PATH": str(tmp_path / "data")}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
@@ -166,6 +212,14 @@ def test_quick_sweep_end_to_end(tmp_path):
     rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert "4 runs, 4 done, 0 to run" in rerun.stdout
     assert "\n$ " not in rerun.stdout  # nothing trained or evaluated again, DPO included
+    # the records alone (a few small files per run, digests of the starting weights) give the same report
+    assert json.loads((kept / "base.json").read_text()).keys() == {"sft", "rm"}
+    assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
+    again = tmp_path / "from_records.md"
+    proc = subprocess.run([sys.executable, "scripts/reproduce.py", "--quick", "--report_only", "--out", str(kept),
+                           "--report", str(again)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert table_rows(again.read_text()) == rows
 
 
 def test_data_seed_fixes_the_split_while_seed_varies():

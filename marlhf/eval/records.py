@@ -1,0 +1,115 @@
+"""Sweep records: the few small files each finished run is read from, kept in a folder that outlives the machine.
+
+A sweep's run folders hold checkpoints and models (gigabytes); its report reads only a handful of small
+files per run (``summary.json``, ``initial_policy.json``, ``metrics.jsonl``, ``args.json``).  ``archive``
+copies those of every finished run into a records folder with the same layout, so the folder can be
+committed and the sweep continued on another machine or in another session: ``restore`` copies them back
+into a fresh ``--out`` (finished runs are then skipped), and ``scripts/reproduce.py --report_only --out
+RECORDS`` writes the report from the records alone.
+
+Continuing is only sound from the same starting weights: ``base.json`` holds a digest of the SFT and reward
+model weights the records were made from, and ``check_base`` refuses other weights (another CPU or another
+version of the code trains other bits) instead of mixing runs from two starting points in one table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+RUN_FILES = ("summary.json", "initial_policy.json", "metrics.jsonl", "args.json")  # summary first: the marker
+BASE_FILE = "base.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+class RecordsMismatch(RuntimeError):
+    """The records were made from other starting weights than the sweep would continue from."""
+
+
+def weights_digest(folder: str | Path) -> str:
+    """sha256 over the names and bytes of a model folder's weight files (sorted by name)."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def check_base(records: Path, sft: str | Path, rm: str | Path) -> dict:
+    """Write ``records/base.json`` (digests of the SFT and reward model) when absent; otherwise raise
+    ``RecordsMismatch`` unless the given models have the recorded digests.  Returns the digests."""
+    here = {"sft": weights_digest(sft), "rm": weights_digest(rm)}
+    path = Path(records) / BASE_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(here, indent=1) + "\n")
+        return here
+    recorded = json.loads(path.read_text())
+    differ = [k for k in here if recorded.get(k) != here[k]]
+    if differ:
+        raise RecordsMismatch(
+            f"{path}: the recorded runs started from other {' and '.join(differ)} weights "
+            f"({', '.join(f'{k} {str(recorded.get(k))[:12]}… recorded, {here[k][:12]}… here' for k in differ)}); "
+            "another machine or code version trains other bits. Continue in a new --records folder "
+            "(or remove this one) rather than mixing two starting points in one table.")
+    return here
+
+
+def units(root: Path, run_dirs: list[Path]) -> list[tuple[Path, list[Path]]]:
+    """The finished units under ``root`` as (folder, files relative to it): each step-3 run of ``run_dirs``
+    (done when its ``summary.json`` exists), DPO's SFT evaluation and seeds, the real-model track."""
+    root = Path(root)
+    found = [(Path(d), list(RUN_FILES)) for d in run_dirs]
+    found.append((root / "dpo" / "sft_eval", ["eval.json"]))
+    found += [(d, ["summary.json", "eval/eval.json", "model/metrics.jsonl", "model/args.json"])
+              for d in sorted((root / "dpo").glob("seed*"))]
+    found.append((root / "real", ["summary.json"]))
+    done = []
+    for folder, names in found:
+        if (folder / names[0]).exists():  # the first file marks the unit finished
+            done.append((folder, [Path(n) for n in names if (folder / n).exists()]))
+    return done
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    tmp.replace(dst)  # a crash mid-copy never leaves a torn record
+
+
+def archive(out: Path, records: Path, run_dirs: list[Path]) -> int:
+    """Keep what the report needs of every finished unit of ``out`` (step-3 runs among ``run_dirs``, DPO,
+    the real-model track) under the same relative paths in ``records``.  Returns the files written."""
+    out, records, n = Path(out), Path(records), 0
+    for folder, names in units(out, run_dirs):
+        for name in names:
+            src, dst = folder / name, records / folder.relative_to(out) / name
+            if not dst.exists() or dst.read_bytes() != src.read_bytes():
+                _copy(src, dst)
+                n += 1
+    return n
+
+
+def restore(records: Path, out: Path, run_dirs: list[Path]) -> int:
+    """Put each recorded unit back under ``out`` unless ``out`` has it finished already (a partial one there
+    is overwritten: the record is the finished version), so the sweep skips it.  ``run_dirs`` are paths
+    under ``out``.  Returns the files written."""
+    out, records, n = Path(out), Path(records), 0
+    recorded = [records / Path(d).relative_to(out) for d in run_dirs]
+    for folder, names in units(records, recorded):
+        target = out / folder.relative_to(records)
+        if (target / names[0]).exists():
+            continue
+        for name in names:
+            _copy(folder / name, target / name)
+            n += 1
+    return n
