@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import STEP1, STEP3, load_main
+from conftest import REPO, STEP1, STEP3, load_main
 
 from marlhf.code.reward import ProgramTestReward, run_responses
 from marlhf.data.adapters import load_records
@@ -144,6 +144,31 @@ def test_step3_with_program_tests_runs_end_to_end(code_run):
     assert critic["score.weight"].shape[0] == 1
     for key in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
         assert (critic[key] - actor_init[key]).abs().max() < 5e-3, key
+
+
+def test_step3_checkpoint_exports_actor_and_critic(code_run, tmp_path):
+    """inference/export.py --from_checkpoint on a step-3 run without a reward model: the actor and the critic
+    (which step 3 started from the actor, not from the embedded default) rebuilt from the DeepSpeed checkpoint
+    of the last step give the logits / values of the run's own exported models."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from marlhf.errors import run_cli
+
+    out, _ = code_run
+    assert json.loads((out / "args.json").read_text())["critic_model_name_or_path"] == ""
+    assert (out / "checkpoints" / "step00000003").is_dir()
+    export = load_main(REPO / "inference" / "export.py")
+    for part, cls in (("actor", AutoModelForCausalLM), ("critic", AutoModelForSequenceClassification)):
+        dest = tmp_path / part
+        assert run_cli(export, ["--input", str(out), "--from_checkpoint", "--model", part,
+                                "--output_dir", str(dest)]) == 0
+        tok = AutoTokenizer.from_pretrained(dest)
+        ids = tok(["\nQUESTION:\nprint x\nANSWER:\n", "x = 1"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            want = cls.from_pretrained(out / part)(**ids).logits
+            got = cls.from_pretrained(dest)(**ids).logits
+        assert torch.equal(got, want), part
+        assert "Step:** 3" in (dest / "README.md").read_text()
 
 
 def _combinations(values, k):

@@ -243,6 +243,10 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
     key = ("critic_model_name_or_path" if is_value else "actor_model_name_or_path") if src.step == 3 \
         else "model_name_or_path"
     base = base_model or args.get(key, "")
+    if src.step == 3 and is_value and not base_model and not base:
+        # as step 3 built it: without a reward model (gold scorer, program tests) the critic starts from the actor
+        uses_rm = args.get("reward_source", "reward_model") in ("reward_model", "rm")
+        base = "" if uses_rm else args.get("actor_model_name_or_path", "")
     tok_base = args.get("actor_model_name_or_path", "") if src.step == 3 and not base_model else base
     tok, fmt = load_tokenizer_and_format(tok_base, args.get("end_of_conversation_token", ""),
                                          args.get("prompt_format", "auto"),
