@@ -57,7 +57,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
-from marlhf.errors import ConfigError  # noqa: E402
 from marlhf.eval.cost_report import PHASES, render_cost_section  # noqa: E402
 from marlhf.eval.sweep import BASELINE, VARIANTS  # noqa: E402
 from marlhf.models.loading import run_tokenizer  # noqa: E402
@@ -140,40 +139,14 @@ def base_argv(cli, model_dir: str, tmp: str) -> list[str]:
             "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--disable_progress_bar"]
 
 
-def _without(flags: tuple[str, ...], names: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """``flags`` minus the ``--name value`` pairs of ``names``: (kept, dropped)."""
-    kept, dropped, i = [], [], 0
-    while i < len(flags):
-        if flags[i] in names:
-            dropped += flags[i:i + 2]
-            i += 2
-        else:
-            kept.append(flags[i])
-            i += 1
-    return kept, dropped
-
-
-def variant_args(name: str, argv: list[str], batch: int) -> tuple[RLHFArgs, dict]:
+def variant_args(name: str, argv: list[str], batch: int) -> RLHFArgs:
     """The variant's sweep flags over the common ones; the group estimators answer batch / K prompts K times
-    (the sweep's 4 x 4 at batch 16), so every variant trains on ``batch`` answers.
-
-    A critic-free variant whose sweep flags RLHFArgs rejects for naming a termination rule under the token
-    ratio (``check_estimator_options``) is timed without those flags — the segmentation they choose is not
-    used by its loss — and the returned note says so (the report prints it)."""
-    flags = VARIANTS[name].flags
-    note = {}
-    try:
-        args, _ = parse_args(RLHFArgs, [*argv, *flags])
-    except ConfigError as err:
-        kept, dropped = _without(flags, ("--termination_condition", "--ngram"))
-        if not dropped or "--advantage_estimator" not in flags:
-            raise
-        args, _ = parse_args(RLHFArgs, [*argv, *kept])
-        note = {"flags_dropped": dropped, "why": str(err)}
+    (the sweep's 4 x 4 at batch 16), so every variant trains on ``batch`` answers."""
+    args, _ = parse_args(RLHFArgs, [*argv, *VARIANTS[name].flags])
     K = args.num_samples_per_prompt
     if batch % K:
         raise SystemExit(f"--batch {batch} is not a multiple of variant {name}'s K = {K} samples per prompt")
-    return dataclasses.replace(args, per_device_generation_batch_size=batch // K), note
+    return dataclasses.replace(args, per_device_generation_batch_size=batch // K)
 
 
 def machine() -> str:
@@ -269,8 +242,7 @@ def main(argv=None) -> None:
     model_dir = str(embedded.prepare(size=cli.size).model_dir)
     with tempfile.TemporaryDirectory(prefix="bench_step3_") as tmp:  # only the tokenized-data cache
         argv = base_argv(cli, model_dir, tmp)
-        parsed = {v: variant_args(v, argv, cli.batch) for v in cli.variants}
-        args = {v: a for v, (a, _) in parsed.items()}
+        args = {v: variant_args(v, argv, cli.batch) for v in cli.variants}
         dist.init_distributed()
         dist.set_seed(cli.seed)
         tok, _ = run_tokenizer(args[BASELINE], model_dir, padding_side="left")
@@ -344,7 +316,7 @@ def main(argv=None) -> None:
         train_s, gen_s = med["training"], med["generation"]
         critic = trainers[v].rlhf.critic is not None
         used = ["actor", "ref", "reward"] + (["critic"] if critic else [])
-        res = {"label": VARIANTS[v].label, "flags": list(VARIANTS[v].flags), **parsed[v][1], "critic": critic,
+        res = {"label": VARIANTS[v].label, "flags": list(VARIANTS[v].flags), "critic": critic,
                "prompts": args[v].per_device_generation_batch_size,
                "samples_per_prompt": args[v].num_samples_per_prompt,
                **tokens[v], "step_s": summarize(steps), "phases_s": med,

@@ -121,11 +121,4 @@ def render_cost_section(json_path: Path) -> str:
             "critic); step +MB: the process's peak resident memory during the step above its resident memory "
             f"before it ({c['memory_meter']}). Checks: "
             + ", ".join(f"{k} = {v}" for k, v in checks.items() if isinstance(v, bool)) + ".")
-    dropped = {v: r for v, r in report["variants"].items() if r.get("flags_dropped")}
-    if dropped:
-        first = next(iter(dropped.values()))
-        cols += (" Timed without sweep flags that step 3 rejects: " + ", ".join(
-            f"{v} without `{' '.join(r['flags_dropped'])}`" for v, r in dropped.items())
-            + f" (ConfigError, e.g. \"{first['why']}\"); the token-level ratio does not use the segmentation "
-              "those flags choose (the default fixed n = 5 still runs: a fixed rule, like theirs).")
     return (f"## Cost per step\n\n{setup}\n\n{render_table(report)}\n\n{cols}\n\n{_reading(report)}\n")
