@@ -195,7 +195,11 @@ def real_track(args, root: Path) -> dict:
             done.touch()
     if args.dry_run or not all((out / n / ".done").exists() for n in stages):
         return {"skipped": "not finished (rerun to continue)"}
+    from marlhf.eval.results_report import machine
+
+    m = machine()
     result = {"model": model, "data": args.real_data, "steps": {"sft": s1, "rm": s2, "ppo": s3},
+              "recorded": f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on {m['cpu']}, {m['cores']} cores",
               "rm_accuracy": last_metric(out / "rm", "eval/accuracy"), "variants": {}}
     for v in REAL_VARIANTS:
         summary = json.loads((out / v / "summary.json").read_text())

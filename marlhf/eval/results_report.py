@@ -242,7 +242,8 @@ def real_section(real: dict) -> list[str]:
     acc = real["rm_accuracy"]
     lines += [f"`{Path(real['model']).name}` on `{Path(real['data']).name}`: SFT {st['sft']} steps, reward model "
               f"{st['rm']} steps (held-out pair accuracy {acc:.3f}), then {st['ppo']} steps of each variant "
-              "(one seed; a small fixed budget: a plumbing-and-direction check, not a result).", "",
+              "(one seed; a small fixed budget: a plumbing-and-direction check, not a result)"
+              + (f"; recorded {real['recorded']}" if real.get("recorded") else "") + ".", "",
               "| variant | RM score before | RM score after | length before | length after | EOS after |",
               "|---|---:|---:|---:|---:|---:|"]
     for v, r in real["variants"].items():
