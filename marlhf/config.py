@@ -158,6 +158,9 @@ class RewardArgs(SupervisedArgs):
                                       "paper's Table 5 value for the model's size class otherwise).")
     label_smoothing: float = opt(0.0, "ε of the pairwise loss −(1−ε) log σ(Δ) − ε log σ(−Δ): the share of pairs "
                                  "assumed mislabelled (0 = the plain Bradley–Terry loss).")
+    reward_loss: str = opt("last", "Pairwise loss on the final-token scores ('last', the score step 3 uses) or on the "
+                           "per-token rewards over the span where chosen and rejected differ ('divergence', "
+                           "DeepSpeed-Chat's); accuracy is on the scores either way.", choices=("last", "divergence"))
 
     def validate(self) -> None:
         super().validate()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.models.loading import sequence_scores
+from marlhf.models.loading import last_token_index, sequence_scores, token_values
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.ds_engine import engine_from_args
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
@@ -72,10 +72,48 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, label_smoothing:
     return -((1 - label_smoothing) * F.logsigmoid(delta) + label_smoothing * F.logsigmoid(-delta)).mean()
 
 
-def reward_loss(model, batch: dict, label_smoothing: float = 0.0):
-    scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])  # (2B,)
+def divergence_span(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For chosen rows [0, B) stacked over rejected rows [B, 2B) (right-padded): per pair, the first position
+    where the two sequences differ (the shared prompt and answer prefix end) and the length of the longer
+    one, ``(start, end)``, each (B,).  Identical sequences give the span of their last token."""
+    ids_c, ids_r = input_ids.chunk(2)
+    m_c, m_r = attention_mask.long().chunk(2)
+    length_c, length_r = m_c.sum(1), m_r.sum(1)
+    end = torch.maximum(length_c, length_r)
+    positions = torch.arange(ids_c.shape[1], device=ids_c.device)
+    differ = ((ids_c != ids_r) | (m_c != m_r)) & (positions[None] < end[:, None])
+    first = torch.where(differ, positions[None], end[:, None]).min(1).values
+    return torch.minimum(first, end - 1), end
+
+
+def divergence_pairwise_loss(values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             label_smoothing: float = 0.0) -> torch.Tensor:
+    """DeepSpeed-Chat's reward loss: the pairwise loss of the per-token rewards at every position from where
+    chosen and rejected diverge to the end of the longer one, averaged over those positions, then over pairs.
+    A sequence that has ended keeps its final reward (its score) for the positions after its last token, so
+    the span's last term compares the two scores.  ``values``: (2B, T) per-token rewards, chosen rows first."""
+    start, end = divergence_span(input_ids, attention_mask)
+    last = last_token_index(attention_mask)  # (2B,)
+    positions = torch.arange(values.shape[1], device=values.device)
+    # a finished sequence's value at t > last is its value at last
+    held = values.gather(1, torch.minimum(positions[None], last[:, None]))
+    v_c, v_r = held.chunk(2)
+    delta = (v_c - v_r).float()
+    per_token = -((1 - label_smoothing) * F.logsigmoid(delta) + label_smoothing * F.logsigmoid(-delta))
+    span = (positions[None] >= start[:, None]) & (positions[None] < end[:, None])
+    return ((per_token * span).sum(1) / span.sum(1)).mean()
+
+
+def reward_loss(model, batch: dict, label_smoothing: float = 0.0, kind: str = "last"):
+    """``kind`` "last": Bradley–Terry on the final-token scores (the score step 3 uses); "divergence": on the
+    per-token rewards of the span where the pair differs (DeepSpeed-Chat's).  Accuracy is on the scores."""
+    values = token_values(model, batch["input_ids"], batch["attention_mask"])  # (2B, T)
+    scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
     chosen, rejected = scores.chunk(2)
-    loss = pairwise_loss(chosen, rejected, label_smoothing)
+    if kind == "divergence":
+        loss = divergence_pairwise_loss(values, batch["input_ids"], batch["attention_mask"], label_smoothing)
+    else:
+        loss = pairwise_loss(chosen, rejected, label_smoothing)
     return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item()}
 
 
@@ -108,8 +146,13 @@ def sft_objective(pad_id: int) -> Objective:
     return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate, sft_count)
 
 
-def reward_objective(pad_id: int, label_smoothing: float = 0.0) -> Objective:
-    loss = functools.partial(reward_loss, label_smoothing=label_smoothing) if label_smoothing else reward_loss
+REWARD_LOSSES = ("last", "divergence")
+
+
+def reward_objective(pad_id: int, label_smoothing: float = 0.0, kind: str = "last") -> Objective:
+    if kind not in REWARD_LOSSES:
+        raise ValueError(f"reward loss must be one of {REWARD_LOSSES}, got {kind!r}")
+    loss = functools.partial(reward_loss, label_smoothing=label_smoothing, kind=kind)
     return Objective("reward", PairCollator(pad_id), loss, reward_evaluate, pair_count)
 
 

@@ -202,6 +202,55 @@ def test_bf16_with_linear_warmup_schedule(embedded, tmp_path):
     assert next(model.parameters()).dtype == torch.bfloat16  # exported in the dtype it trained in
 
 
+def test_divergence_reward_loss_against_a_loop():
+    """DeepSpeed-Chat's divergence loss: per pair, from the first position where chosen and rejected differ to
+    the end of the longer one, the mean of −(1−ε) log σ(r⁺_t − r⁻_t) − ε log σ(r⁻_t − r⁺_t), a finished
+    sequence holding its last value; averaged over pairs.  Checked against plain loops on right-padded pairs
+    of different lengths, a pair differing only in its last token, and identical sequences."""
+    import math
+
+    import torch
+
+    from marlhf.supervised import divergence_pairwise_loss, divergence_span
+
+    pad = 0
+    pairs = [([5, 6, 7, 8, 9], [5, 6, 3, 4]),          # diverge at 2; chosen longer
+             ([5, 6, 7], [5, 6, 7, 2, 2, 2]),          # chosen is a prefix: diverge where it ends
+             ([4, 4, 4, 4, 1], [4, 4, 4, 4, 2]),       # differ only in the last token
+             ([3, 3], [3, 3])]                         # identical
+    T = 7
+    rows = [c for c, _ in pairs] + [r for _, r in pairs]
+    ids = torch.tensor([x + [pad] * (T - len(x)) for x in rows])
+    mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in rows])
+    values = torch.randn(len(rows), T, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def loop(eps):
+        total = 0.0
+        for i, (c, r) in enumerate(pairs):
+            end = max(len(c), len(r))
+            start = next((t for t in range(end) if t >= len(c) or t >= len(r) or c[t] != r[t]), end)
+            start = min(start, end - 1)
+            vc = [values[i, min(t, len(c) - 1)].item() for t in range(T)]
+            vr = [values[len(pairs) + i, min(t, len(r) - 1)].item() for t in range(T)]
+            terms = []
+            for t in range(start, end):
+                d = vc[t] - vr[t]
+                terms.append(-(1 - eps) * math.log(1 / (1 + math.exp(-d))) - eps * math.log(1 / (1 + math.exp(d))))
+            total += sum(terms) / len(terms)
+        return total / len(pairs)
+
+    start, end = divergence_span(ids, mask)
+    assert start.tolist() == [2, 3, 4, 1] and end.tolist() == [5, 6, 5, 2]
+    for eps in (0.0, 0.1):
+        got = divergence_pairwise_loss(values, ids, mask, eps).item()
+        assert got == pytest.approx(loop(eps), rel=1e-6)  # the loss is taken in fp32
+    # only the span counts: changing a value before the divergence or in the padding changes nothing
+    moved = values.clone()
+    moved[0, 1] += 5.0
+    moved[len(pairs) + 3, 5] -= 3.0
+    assert divergence_pairwise_loss(moved, ids, mask).item() == pytest.approx(loop(0.0), rel=1e-6)
+
+
 def test_pairwise_loss_with_label_smoothing_against_a_loop():
     """−(1−ε) log σ(Δ) − ε log σ(−Δ) per pair, averaged; ε = 0 is the plain Bradley–Terry loss.  Under label
     smoothing the loss is minimised at a finite margin, log((1−ε)/ε), instead of pushing Δ → ∞."""

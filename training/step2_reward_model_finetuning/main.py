@@ -29,7 +29,7 @@ def main(argv=None):
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
     # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)
-    objective = reward_objective(tokenizer.pad_token_id, args.label_smoothing)
+    objective = reward_objective(tokenizer.pad_token_id, args.label_smoothing, args.reward_loss)
     engine = train(args, model, tokenizer, data.train, data.eval, objective)
     # 4. export as a Hugging Face sequence-classification model
     export_hf(engine, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
