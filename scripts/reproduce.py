@@ -83,9 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--parallel", type=int, default=1, help="Step-3 runs at a time, the cores split between them "
                    "(tiny runs use several cores poorly; results do not depend on it beyond float rounding).")
     p.add_argument("--records", help="Keep the small files every finished run is read from (summary, metrics, "
-                   "args; DPO's and the real-model track's results) in this folder, e.g. docs/results/runs, so the "
-                   "sweep outlives the machine: a later call with an empty --out restores them (when its SFT and "
-                   "reward model have the recorded weights' digests) and runs only what is missing; "
+                   "args; DPO's and the real-model track's results) and the sweep's SFT and reward model in this "
+                   "folder, e.g. docs/results/runs, so the sweep outlives the machine: a later call with an empty "
+                   "--out restores the models and the finished runs and runs only what is missing (runs are only "
+                   "restored for the SFT and reward model whose weights' digests are recorded); "
                    "'--report_only --out RECORDS' writes the report from the records alone.")
     p.add_argument("--lock", help="Take this file lock (flock) around each run, so other heavy jobs on a shared "
                    "machine interleave between runs instead of skewing their timings.")
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants if v not in unavailable]
     for v, needs in unavailable.items():  # said, not silently dropped; the report lists them too
         print(f"variant {v!r} cannot run in this build: step 3 has no {', '.join(needs)} flag", file=sys.stderr)
+    if args.records and not args.dry_run and not args.report_only and not (args.sft or args.rm) \
+            and sweep_records.restore_base(Path(args.records), root):
+        print(f"restored the recorded SFT and reward model from {args.records}/base", flush=True)
     sft, rm, commands = base_models(args, root)
     specs = sweep.plan(root, args.rewards, variants, args.seeds)
     run_dirs = [s.out for s in specs]
@@ -294,6 +298,8 @@ def main(argv=None) -> int:
             sweep_records.check_base(Path(args.records), sft, rm)
         except sweep_records.RecordsMismatch as err:
             raise SystemExit(f"error: {err}") from None
+        if not (args.sft or args.rm):
+            sweep_records.keep_base(root, Path(args.records))
         restored = sweep_records.restore(Path(args.records), root, run_dirs)
         print(f"restored {restored} files of finished runs from {args.records}", flush=True)
     todo = sweep.missing(specs)

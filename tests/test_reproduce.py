@@ -166,6 +166,21 @@ def test_records_keep_finished_runs_only_and_refuse_other_starting_weights(runs,
     with pytest.raises(records.RecordsMismatch, match=r"base.json.*other rm weights"):
         records.check_base(kept, sft, rm)
 
+    # the starting models travel with the records (not their logs); a fresh --out gets them back once
+    base = root / "base"
+    for name, folder in (("step1", sft), ("step2", rm)):
+        (base / name).mkdir(parents=True)
+        for f in folder.iterdir():
+            (base / name / f.name).write_bytes(f.read_bytes())
+        (base / name / "training.log").write_text("long log")
+    (base / "summary.json").write_text('{"seconds": {}}')
+    assert records.keep_base(root, kept) == 5 and records.keep_base(root, kept) == 0
+    assert not (kept / "base" / "step1" / "training.log").exists()
+    assert records.restore_base(kept, fresh) and not records.restore_base(kept, fresh)
+    for name in ("step1", "step2"):
+        assert records.weights_digest(fresh / "base" / name) == records.weights_digest(base / name)
+    assert (fresh / "base" / "summary.json").exists()
+
 
 def table_rows(text: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for line in text.splitlines() if line.startswith("| ") and "---" not in line
@@ -214,7 +229,15 @@ def test_quick_sweep_end_to_end(tmp_path):
     assert "\n$ " not in rerun.stdout  # nothing trained or evaluated again, DPO included
     # the records alone (a few small files per run, digests of the starting weights) give the same report
     assert json.loads((kept / "base.json").read_text()).keys() == {"sft", "rm"}
-    assert not list(kept.rglob("*.safetensors")) and not list(kept.rglob("*.pt"))
+    weights = sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*.safetensors"))
+    assert weights == ["base/step1/model.safetensors", "base/step2/model.safetensors"]  # no run's models
+    assert not list(kept.rglob("*.pt")) and not list(kept.rglob("checkpoints"))
+    # another machine: a fresh --out continues from the records, trains and evaluates nothing
+    moved = subprocess.run([*cmd[:cmd.index("--out") + 1], str(tmp_path / "elsewhere"), *cmd[cmd.index("--out") + 2:]],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-3000:]
+    assert "restored the recorded SFT and reward model" in moved.stdout and "4 runs, 4 done, 0 to run" in moved.stdout
+    assert "\n$ " not in moved.stdout
     again = tmp_path / "from_records.md"
     proc = subprocess.run([sys.executable, "scripts/reproduce.py", "--quick", "--report_only", "--out", str(kept),
                            "--report", str(again)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
