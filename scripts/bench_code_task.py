@@ -27,6 +27,7 @@ shared):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -44,6 +45,8 @@ RL_SCRIPT = REPO / "training/step3_rlhf_finetuning/training_scripts/tiny/run_tin
 DATA_SEED = 1234  # the split (SFT / PPO shares) and held-out problems of every seed
 STAGES = ("sft", "rl", "passk", "report")
 VERDICT_KEYS = ("pass", "wrong_answer", "runtime_error", "timeout", "compile_error")
+ANSWER_FORMS = ("reference", "off_by_one", "other")
+EXAMPLES = 6  # answers per policy kept in passk.json (the first answer to each of the first problems)
 
 
 def parse_args(argv=None):
@@ -122,8 +125,38 @@ def pass_counts(model: Path, records: list, cfg: dict, n: int, workers: int, see
     results = run_responses(responses, [r.meta for r in records for _ in range(n)], workers=workers)
     correct = [sum(results[i * n + j].verdict == "pass" for j in range(n)) for i in range(len(records))]
     verdicts = {v: sum(r.verdict == v for r in results) / len(results) for v in VERDICT_KEYS}
-    return {"n": n, "correct": correct, "verdicts": verdicts,
+    forms = answer_forms(responses, records, n, cfg["data_path"][0])
+    examples = [{"problem": records[i].source, "answer": responses[i * n], "verdict": results[i * n].verdict}
+                for i in range(min(EXAMPLES, len(records)))]
+    return {"n": n, "correct": correct, "verdicts": verdicts, "forms": forms, "examples": examples,
             "mean_reward": statistics.fmean(r.reward for r in results)}
+
+
+def answer_forms(responses: list, records: list, n: int, spec: str) -> dict:
+    """Share of the answers (``n`` per problem, grouped by problem) whose program is the problem's reference
+    program, the demonstrations' bug (the same program with the result off by one: what ``flaw_rate`` puts in
+    the SFT data) or something else: what a reward gain is made of.  ``spec`` is the synthetic_code dataset."""
+    from marlhf.code.apps import extract_code
+    from marlhf.data import synthetic_code
+    from marlhf.data.adapters.loader import parse_synthetic_options
+
+    name, _, options = spec.partition(":")
+    if name != "synthetic_code":
+        raise SystemExit(f"the answer forms need the synthetic_code task, not {spec!r}")
+    cfg = synthetic_code.SyntheticCodeConfig(**parse_synthetic_options(options, synthetic_code.SyntheticCodeConfig))
+
+    def norm(program: str) -> str:
+        return " ".join(program.split())
+
+    counts = dict.fromkeys(ANSWER_FORMS, 0)
+    for i, record in enumerate(records):
+        index = int(record.source.rpartition(":")[2])
+        reference, buggy = (norm(synthetic_code.problem(cfg.seed, index, dataclasses.replace(cfg, flaw_rate=rate))
+                                 .chosen) for rate in (0.0, 1.0))
+        for answer in responses[i * n:(i + 1) * n]:
+            got = norm(extract_code(answer))
+            counts["reference" if got == reference else "off_by_one" if got == buggy else "other"] += 1
+    return {k: v / (n * len(records)) for k, v in counts.items()}
 
 
 def stage_passk(seed: int, args, work: Path) -> None:
@@ -181,6 +214,8 @@ def seed_report(seed: int, args, work: Path) -> dict:
                                            for k in args.k if k <= n}
             report["pass_at_k"][policy]["mean_reward"] = counts[policy]["mean_reward"]
             report["pass_at_k"][policy]["verdicts"] = counts[policy]["verdicts"]
+            report["pass_at_k"][policy]["forms"] = counts[policy]["forms"]
+            report["pass_at_k"][policy]["examples"] = counts[policy]["examples"]
     return report
 
 
@@ -218,11 +253,36 @@ def markdown(report: dict) -> str:
               "(step 3's `summary.json`). pass@k: " + (
                   f"{first['pass_at_k']['problems']} held-out problems x n = {first['pass_at_k']['n']} answers, "
                   "unbiased estimator (Chen et al. 2021)." if "pass_at_k" in first else "not run."),
+              *answer_lines(report["seeds"]),
               "", "Training reward (batch mean, first vs last steps): " + "; ".join(
                   f"seed {s['seed']}: " + " -> ".join(f"{v:+.3f}" for v in s["train_reward"].values())
                   for s in report["seeds"]) + ".",
               "", "Step-3 configuration: " + ", ".join(f"`{k}` {v}" for k, v in first["config"].items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def answer_lines(seeds: list[dict]) -> list[str]:
+    """The pass@k answers by form (reference program / the demonstrations' off-by-one bug / other) and the
+    first answers of the first seed, before and after."""
+    if not all("forms" in s.get("pass_at_k", {}).get("sft", {}) for s in seeds):
+        return []
+
+    def forms(f: dict) -> str:
+        return ", ".join(f"{k} {f[k]:.3f}" for k in ANSWER_FORMS)
+
+    lines = ["", "What the pass@k answers are (share of all answers whose program is the problem's reference "
+             "program, the SFT data's bug — the same program with the result off by one — or anything else):", ""]
+    lines += [f"- seed {s['seed']}: SFT {forms(s['pass_at_k']['sft']['forms'])}; step 3 "
+              f"{forms(s['pass_at_k']['final']['forms'])}" for s in seeds]
+    first = seeds[0]
+    lines += ["", f"First answers of seed {first['seed']} (newlines as `;`):", "",
+              "| problem | SFT answer | verdict | step-3 answer | verdict |", "|---|---|---|---|---|"]
+    for before, after in zip(first["pass_at_k"]["sft"]["examples"], first["pass_at_k"]["final"]["examples"]):
+        def code(ex):
+            return "`" + "; ".join(ex["answer"].strip().splitlines()).replace("|", "\\|") + "`"
+        lines.append(f"| {before['problem']} | {code(before)} | {before['verdict']} | {code(after)} | "
+                     f"{after['verdict']} |")
+    return lines
 
 
 def stage_report(args, work: Path) -> dict:
