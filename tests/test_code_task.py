@@ -197,6 +197,31 @@ SFT_STEPS, RL_STEPS, RL_LR = "80", "10", "1e-4"
 MIN_REWARD_GAIN, MIN_PASS_GAIN = 0.15, 0.1
 
 
+
+def test_bench_answer_forms_sort_answers_into_reference_bug_and_other():
+    """``bench_code_task`` reads a reward gain in the programs: each answer is the problem's reference program,
+    the SFT data's off-by-one bug or something else — whitespace and a chatty code block aside."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_code_task", REPO / "scripts/bench_code_task.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = "synthetic_code:num_records=6,operations=2,max_constant=3,flaw_rate=0.5"
+    records = load_records(data)
+    clean = generate(SyntheticCodeConfig(num_records=6, operations=2, max_constant=3, flaw_rate=0.0))
+    buggy = generate(SyntheticCodeConfig(num_records=6, operations=2, max_constant=3, flaw_rate=1.0))
+    assert {r.chosen == ok.chosen for r, ok in zip(records, clean)} == {True, False}  # the data shows both
+    responses = []
+    for ok, bad, r in zip(clean, buggy, records):  # n = 3 answers per problem
+        responses += [f"```python\n{ok.chosen.replace(' = ', '  =  ')}```", bad.chosen, r.rejected]
+    forms = bench.answer_forms(responses, records, 3, data)
+    assert forms == pytest.approx({"reference": 1 / 3, "off_by_one": 1 / 3, "other": 1 / 3})
+    # the first problem's three answers alone: exact shares of n = 3
+    assert bench.answer_forms(responses[:3] + [clean[1].chosen] * 3, records[:2], 3, data) == \
+        pytest.approx({"reference": 4 / 6, "off_by_one": 1 / 6, "other": 1 / 6})
+    with pytest.raises(SystemExit, match="synthetic_code"):
+        bench.answer_forms(responses, records, 3, "synthetic")
+
 @pytest.mark.slow
 def test_step3_program_tests_raise_the_held_out_reward(tmp_path):
     """Step 1 on the tiny model, then a few GRPO steps of step 3 with ``--reward_source program_tests``: on the
