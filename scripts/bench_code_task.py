@@ -17,8 +17,8 @@ held-out problems stay fixed with ``--data_seed``) it reports, for the SFT polic
 Each stage skips what is already done, so the stages can run as separate short commands (the machine is
 shared):
 
-    python scripts/bench_code_task.py --stage sft --seeds 1      # ~3 min per seed
-    python scripts/bench_code_task.py --stage rl --seeds 1       # ~4 min per seed
+    python scripts/bench_code_task.py --stage sft --seeds 1      # ~1.5 min per seed
+    python scripts/bench_code_task.py --stage rl --seeds 1       # ~2.5 min per seed
     python scripts/bench_code_task.py --stage passk --seeds 1    # ~1 min per seed
     python scripts/bench_code_task.py --stage report --seeds 1 2 # writes --out (JSON) and the .md next to it
     python scripts/bench_code_task.py --seeds 1 2                # everything not yet done, then the report

@@ -40,6 +40,7 @@ MAX_EVAL_SAMPLES=""        # "" = main.py's default
 MAX_STEPS=""               # step 3; "" = no cap
 TEMPERATURE=0.8            # step 3 sampling: Table 5's text tasks (top-p is 1.0 everywhere)
 TOP_K=50
+LR_SCHEDULE=cosine         # --lr_scheduler_type of every step (Table 5: cosine)
 PRINT_INTERVAL=50          # step 3: PPO steps between printed sample answers
 PPO_TASK_ARGS=()           # step 3: the task's own flags (code: see code_reward)
 ADV_ESTIMATOR=""           # step 3: --advantage_estimator; "" = main.py's gae (MA-PPO with a critic)
@@ -79,14 +80,15 @@ tiny_task() {
 
 # tiny_code_task: the generated code task of the tiny code scripts (synthetic_code: one-line arithmetic
 # problems with unit tests in APPS layout, the CodeGemma scripts' task in miniature), sized for 2 CPU cores:
-# B.2's 20% SFT / 80% PPO split of 8000 problems, prompts <= 128 and answers <= 48 tokens, fp32.  30% of the
-# demonstrations carry a bug (flaw_rate: the result off by one), as scraped solutions do: the SFT policy
-# writes it too, and step 3's program tests are what teach the policy to drop it.
+# B.2's 20% SFT / 80% PPO split of 2000 problems over the first two formulas with constants <= 3 (so the tiny
+# model learns the program shapes and constants in ~1.5 minutes), prompts <= 128 and answers <= 48 tokens,
+# fp32.  Half of the demonstrations carry a bug (flaw_rate: the result off by one), as scraped solutions do:
+# the SFT policy writes it too, and step 3's program tests are what teach the policy to drop it.
 tiny_code_task() {
     TASK=${TASK:-synthetic_code}
     [[ "$TASK" == synthetic_code ]] \
         || die "tiny code scripts run the synthetic_code task, not TASK=$TASK; set DATA_PATH instead"
-    DATASET=synthetic_code:num_records=8000,flaw_rate=0.3 DATA_SPLIT=2,0,8 PROMPT_LEN=128 ANSWER_LEN=48 DTYPE=fp32 DEVICE=rank
+    DATASET=synthetic_code:num_records=2000,operations=2,max_constant=3,flaw_rate=0.5 DATA_SPLIT=2,0,8 PROMPT_LEN=128 ANSWER_LEN=48 DTYPE=fp32 DEVICE=rank
 }
 
 # by_task tldr=V1 hh=V2 webgpt=V3: the value listed for $TASK, for Table 5 rows that differ by task.
@@ -187,7 +189,7 @@ supervised_flags() {
     if [[ -n "$MAX_EVAL_SAMPLES" ]]; then FLAGS+=(--max_eval_samples "$MAX_EVAL_SAMPLES"); fi
     FLAGS+=(--per_device_train_batch_size "$PER_DEVICE" --per_device_eval_batch_size "$PER_DEVICE"
             --gradient_accumulation_steps "$GRAD_ACCUM" --learning_rate "$LR" --weight_decay 0.0
-            --num_train_epochs "$EPOCHS" --lr_scheduler_type cosine --warmup_ratio "$WARMUP_RATIO"
+            --num_train_epochs "$EPOCHS" --lr_scheduler_type "$LR_SCHEDULE" --warmup_ratio "$WARMUP_RATIO"
             --zero_stage "$ZERO_STAGE")
     if (( OFFLOAD )); then FLAGS+=(--offload); fi
     if (( GRADIENT_CHECKPOINTING )); then FLAGS+=(--gradient_checkpointing); fi
@@ -211,7 +213,7 @@ ppo_flags() {
     if [[ -n "$MAX_STEPS" ]]; then FLAGS+=(--max_steps "$MAX_STEPS"); fi
     FLAGS+=(--actor_learning_rate "$ACTOR_LR" --critic_learning_rate "$CRITIC_LR"
             --actor_weight_decay 0.0 --critic_weight_decay 0.0
-            --lr_scheduler_type cosine --num_warmup_steps "$WARMUP_STEPS"
+            --lr_scheduler_type "$LR_SCHEDULE" --num_warmup_steps "$WARMUP_STEPS"
             --kl_ctl "$KL_CTL" --cliprange 0.2 --cliprange_value 0.2 --gamma 1.0 --lam 0.95
             --temperature "$TEMPERATURE" --top_k "$TOP_K" --top_p 1.0
             --termination_condition "${TERMINATION:-fixed}" --ngram "${NGRAM:-5}" --value_function equal
