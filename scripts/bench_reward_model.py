@@ -9,7 +9,10 @@ per setting the mean, min and spread of the accuracy over the seeds.
 
 The held-out labels carry the task's label noise too (a flipped pair counts against a perfect model), so
 the report also gives the *label ceiling*: the share of the first --max_eval held-out pairs whose chosen
-answer really has the higher gold score (~0.90 at label noise 0.1).
+answer really has the higher gold score (~0.90 at label noise 0.1).  ``--breakdown`` also scores those pairs
+with each run's model and reports how often it orders a pair as the gold scorer does, overall and by what
+sets the pair apart (``synthetic.pair_difference``: a dropped fact is "coverage", an invented one replacing a
+fact "coverage+invented", sentences out of order "order", ...): which flaws the reward model cannot see.
 
     python scripts/bench_reward_model.py --sft runs/quickstart/step1 --seeds 1 2 3 \\
         --setting base: --setting "e4:--num_train_epochs=4" --out bench_results/reward_model.json
@@ -50,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--keep_models", action="store_true", help="Keep each run's model (default: deleted).")
     p.add_argument("--max_eval", type=int, default=256, help="Held-out pairs the label ceiling is computed on "
                    "(the launch script's MAX_EVAL_SAMPLES).")
+    p.add_argument("--breakdown", action="store_true", help="Agreement with the gold scorer by what sets each "
+                   "held-out pair apart (synthetic data only).")
     p.add_argument("--out", default="bench_results/reward_model.json")
     return p.parse_args(argv)
 
@@ -73,6 +78,25 @@ def label_ceiling(max_eval: int) -> float:
     records = load_records("synthetic", split="test")[:max_eval]
     agree = sum(gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected) for r in records)
     return agree / len(records)
+
+
+def gold_breakdown(scorer, records: list) -> dict:
+    """How often ``scorer(prompts, responses)`` orders a held-out pair as the gold scorer does, overall and per
+    :func:`synthetic.pair_difference` of the pair (largest groups first), next to its label accuracy."""
+    from marlhf.data.synthetic import gold_score, pair_difference
+
+    prompts = [r.prompt for r in records]
+    chosen, rejected = scorer(prompts, [r.chosen for r in records]), scorer(prompts, [r.rejected for r in records])
+    groups: dict[str, list[bool]] = {}
+    agree = []
+    for r, c, j in zip(records, chosen, rejected):
+        gold_prefers_chosen = gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected)
+        agree.append((c > j) == gold_prefers_chosen)
+        groups.setdefault(pair_difference(r.prompt, r.chosen, r.rejected), []).append(agree[-1])
+    by_kind = {k: {"pairs": len(v), "gold_agreement": sum(v) / len(v)}
+               for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))}
+    return {"pairs": len(records), "label_accuracy": sum(c > j for c, j in zip(chosen, rejected)) / len(records),
+            "gold_agreement": sum(agree) / len(agree), "by_difference": by_kind}
 
 
 def final_eval(folder: Path) -> dict:
@@ -117,6 +141,20 @@ def markdown(report: dict) -> str:
         lines.append(f"| {s['name']} | `{' '.join(s['flags']) or '(script defaults)'}` | {per_seed} | "
                      f"{s['summary']['accuracy_mean']:.3f} | {s['summary']['accuracy_min']:.3f} | "
                      f"{s['summary']['seconds_mean']:.0f} |")
+    broken = [(s["name"], r) for s in report["settings"] for r in s["runs"] if "breakdown" in r]
+    if broken:
+        kinds = list(dict.fromkeys(k for _, r in broken for k in r["breakdown"]["by_difference"]))
+        lines += ["", "Agreement with the gold scorer's order of each held-out pair, by what sets the pair apart "
+                  "(pairs in the first run):", "",
+                  "| setting | seed | all | " + " | ".join(kinds) + " |", "|---|---|---:|" + "---:|" * len(kinds)]
+        for name, r in broken:
+            cells = [f"{r['breakdown']['by_difference'][k]['gold_agreement']:.3f}"
+                     if k in r["breakdown"]["by_difference"] else "" for k in kinds]
+            lines.append(f"| {name} | {r['seed']} | {r['breakdown']['gold_agreement']:.3f} | "
+                         + " | ".join(cells) + " |")
+        first = broken[0][1]["breakdown"]["by_difference"]
+        lines.append("| pairs | | " + str(broken[0][1]["breakdown"]["pairs"]) + " | "
+                     + " | ".join(str(first.get(k, {}).get("pairs", "")) for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +179,16 @@ def main(argv=None) -> int:
             print(f"{name} seed {seed}: accuracy {run['accuracy']:.3f} (curve {run['accuracy_curve']}), "
                   f"chosen {run['chosen_score']:.2f} / rejected {run['rejected_score']:.2f}, "
                   f"{run['seconds']:.0f} s", flush=True)
+            if args.breakdown:
+                from marlhf.data.adapters import load_records
+                from marlhf.eval.reward import Scorer
+
+                records = load_records(args.data_path or "synthetic", split="test")[:args.max_eval]
+                run["breakdown"] = gold_breakdown(Scorer(str(out)), records)
+                print(f"{name} seed {seed}: agrees with the gold scorer on {run['breakdown']['gold_agreement']:.3f}"
+                      " of the pairs; by difference: " + ", ".join(
+                          f"{k} {v['gold_agreement']:.3f} ({v['pairs']})"
+                          for k, v in run["breakdown"]["by_difference"].items()), flush=True)
             if not args.keep_models:
                 for f in ("model.safetensors",):
                     (out / f).unlink(missing_ok=True)

@@ -31,6 +31,7 @@ from marlhf.data.synthetic import (
     gold_score,
     gold_scores,
     oracle_summary,
+    pair_difference,
     parse_post,
     read_jsonl,
     score_details,
@@ -110,6 +111,64 @@ def test_hand_derived_scores_of_flawed_summaries():
         assert gold_score(PROMPT, response) == pytest.approx(expected), name
         assert gold_score(PROMPT, response) < gold_score(PROMPT, GOOD), name
 
+
+
+def test_pair_difference_names_the_components_that_set_a_pair_apart():
+    assert pair_difference(PROMPT, GOOD, GOOD) == "none"
+    assert pair_difference(PROMPT, GOOD, " " + " ".join([S1, S2, S4])) == "coverage"  # a fact dropped
+    assert pair_difference(PROMPT, GOOD, GOOD + " He named it Biscuit.") == "invented"
+    assert pair_difference(PROMPT, GOOD, GOOD.replace("spray bottle", "baby gate")) == "coverage+invented"
+    assert pair_difference(PROMPT, GOOD, " " + " ".join([S1, S3, S2, S4])) == "order"
+    # symmetric: which side is chosen does not change what differs
+    assert pair_difference(PROMPT, " " + " ".join([S1, S3, S2, S4]), GOOD) == "order"
+    # every generated pair differs in something the gold scorer sees (ties are redrawn)
+    records = generate(SyntheticConfig(num_records=60))
+    kinds = {pair_difference(r.prompt, r.chosen, r.rejected) for r in records}
+    assert "none" not in kinds and {"coverage", "order"} <= kinds
+
+
+def test_bench_reward_model_breakdown_against_the_gold_scorer():
+    """scripts/bench_reward_model.py --breakdown: a scorer that is the gold scorer agrees on every pair, its
+    negation on none; the label accuracy counts label noise; groups are pair_difference's, largest first."""
+    import collections
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_reward_model", REPO / "scripts/bench_reward_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    records = generate(SyntheticConfig(num_records=80))
+    noisy = sum(gold_score(r.prompt, r.chosen) < gold_score(r.prompt, r.rejected) for r in records)
+    assert noisy > 0  # the task's label noise shows
+
+    def gold(prompts, responses):
+        return gold_scores(prompts, responses)
+
+    exact = bench.gold_breakdown(gold, records)
+    assert exact["pairs"] == 80 and exact["gold_agreement"] == 1.0
+    assert exact["label_accuracy"] == pytest.approx(1 - noisy / 80)
+    counts = collections.Counter(pair_difference(r.prompt, r.chosen, r.rejected) for r in records)
+    assert {k: v["pairs"] for k, v in exact["by_difference"].items()} == dict(counts)
+    assert list(exact["by_difference"]) == sorted(counts, key=lambda k: (-counts[k], k))
+    assert all(v["gold_agreement"] == 1.0 for v in exact["by_difference"].values())
+    inverse = bench.gold_breakdown(lambda p, r: [-x for x in gold(p, r)], records)
+    assert inverse["gold_agreement"] == 0.0 and inverse["label_accuracy"] == pytest.approx(noisy / 80)
+    # a scorer that only sees length: agreement per group equals a loop's
+    length = bench.gold_breakdown(lambda p, r: [float(len(x)) for x in r], records)
+    for kind, row in length["by_difference"].items():
+        group = [r for r in records if pair_difference(r.prompt, r.chosen, r.rejected) == kind]
+        agree = [(len(r.chosen) > len(r.rejected))
+                 == (gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected)) for r in group]
+        assert row["gold_agreement"] == pytest.approx(sum(agree) / len(agree)), kind
+    runs = [{"seed": 1, "accuracy": exact["label_accuracy"], "seconds": 1.0, "breakdown": exact},
+            {"seed": 2, "accuracy": inverse["label_accuracy"], "seconds": 1.0, "breakdown": inverse}]
+    table = bench.markdown({"sft": "sft", "data_path": "synthetic", "max_eval": 80, "label_ceiling": 1 - noisy / 80,
+                            "seeds": [1, 2], "settings": [{"name": "base", "flags": [], "runs": runs,
+                                                           "summary": bench.summarize(runs)}]})
+    first = next(iter(exact["by_difference"]))
+    assert "| base | 1 | 1.000 | 1.000 |" in table and "| base | 2 | 0.000 | 0.000 |" in table
+    assert f"| {first} |" in table and f"| pairs | | 80 | {counts[first]} |" in table
 
 def test_over_long_summary_decays_per_word_over_budget():
     long = GOOD + " " + " ".join(EXTRAS[:4])

@@ -721,6 +721,13 @@ def gold_score_details(
     return [score_details(p, r, e, f) for p, r, e, f in zip(prompts, responses, flags, known)]
 
 
+def pair_difference(prompt: str, chosen: str, rejected: str) -> str:
+    """What sets a pair's two answers apart in the gold scorer's eyes: the components of :func:`score_details`
+    that differ, joined by "+" in ``GOLD_COMPONENTS`` order ("coverage+invented": a fact replaced by one the
+    post does not hold), or "none".  Groups a reward model's held-out pairs by the kind of flaw it must see."""
+    a, b = score_details(prompt, chosen), score_details(prompt, rejected)
+    return "+".join(k for k in GOLD_COMPONENTS if abs(a[k] - b[k]) > 1e-9) or "none"
+
 def oracle_summary(prompt: str) -> str:
     """A flawless summary (gold score 1.0) of a generated prompt: the ceiling for benchmarks."""
     post = parse_post(prompt)
