@@ -143,18 +143,18 @@ def markdown(report: dict) -> str:
                      f"{s['summary']['seconds_mean']:.0f} |")
     broken = [(s["name"], r) for s in report["settings"] for r in s["runs"] if "breakdown" in r]
     if broken:
-        kinds = list(dict.fromkeys(k for _, r in broken for k in r["breakdown"]["by_difference"]))
+        first = broken[0][1]["breakdown"]
+        kinds = [k for k, v in first["by_difference"].items() if v["pairs"] >= 0.01 * first["pairs"]]
         lines += ["", "Agreement with the gold scorer's order of each held-out pair, by what sets the pair apart "
-                  "(pairs in the first run):", "",
+                  "(pairs in the first run; groups under 1% of the pairs are in the JSON only):", "",
                   "| setting | seed | all | " + " | ".join(kinds) + " |", "|---|---|---:|" + "---:|" * len(kinds)]
         for name, r in broken:
             cells = [f"{r['breakdown']['by_difference'][k]['gold_agreement']:.3f}"
                      if k in r["breakdown"]["by_difference"] else "" for k in kinds]
             lines.append(f"| {name} | {r['seed']} | {r['breakdown']['gold_agreement']:.3f} | "
                          + " | ".join(cells) + " |")
-        first = broken[0][1]["breakdown"]["by_difference"]
-        lines.append("| pairs | | " + str(broken[0][1]["breakdown"]["pairs"]) + " | "
-                     + " | ".join(str(first.get(k, {}).get("pairs", "")) for k in kinds) + " |")
+        lines.append(f"| pairs | | {first['pairs']} | "
+                     + " | ".join(str(first["by_difference"][k]["pairs"]) for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 
