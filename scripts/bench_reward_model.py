@@ -170,6 +170,11 @@ def main(argv=None) -> int:
               "label_ceiling": label_ceiling(args.max_eval), "machine": platform.platform(),
               "cpus": os.cpu_count(), "settings": []}
     print(f"label ceiling on the first {args.max_eval} held-out pairs: {report['label_ceiling']:.3f}", flush=True)
+    held_out = []  # the pairs --breakdown scores every run's model on, loaded once
+    if args.breakdown:
+        from marlhf.data.adapters import load_records
+
+        held_out = load_records(args.data_path or "synthetic", split="test")[:args.max_eval]
     for name, flags in settings:
         runs = []
         for seed in args.seeds:
@@ -180,11 +185,9 @@ def main(argv=None) -> int:
                   f"chosen {run['chosen_score']:.2f} / rejected {run['rejected_score']:.2f}, "
                   f"{run['seconds']:.0f} s", flush=True)
             if args.breakdown:
-                from marlhf.data.adapters import load_records
                 from marlhf.eval.reward import Scorer
 
-                records = load_records(args.data_path or "synthetic", split="test")[:args.max_eval]
-                run["breakdown"] = gold_breakdown(Scorer(str(out)), records)
+                run["breakdown"] = gold_breakdown(Scorer(str(out)), held_out)
                 print(f"{name} seed {seed}: agrees with the gold scorer on {run['breakdown']['gold_agreement']:.3f}"
                       " of the pairs; by difference: " + ", ".join(
                           f"{k} {v['gold_agreement']:.3f} ({v['pairs']})"

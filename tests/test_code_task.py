@@ -197,7 +197,6 @@ SFT_STEPS, RL_STEPS, RL_LR = "80", "10", "1e-4"
 MIN_REWARD_GAIN, MIN_PASS_GAIN = 0.15, 0.1
 
 
-
 def test_bench_answer_forms_sort_answers_into_reference_bug_and_other():
     """``bench_code_task`` reads a reward gain in the programs: each answer is the problem's reference program,
     the SFT data's off-by-one bug or something else — whitespace and a chatty code block aside."""

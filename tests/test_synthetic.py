@@ -170,6 +170,7 @@ def test_bench_reward_model_breakdown_against_the_gold_scorer():
     assert "| base | 1 | 1.000 | 1.000 |" in table and "| base | 2 | 0.000 | 0.000 |" in table
     assert f"| {first} |" in table and f"| pairs | | 80 | {counts[first]} |" in table
 
+
 def test_over_long_summary_decays_per_word_over_budget():
     long = GOOD + " " + " ".join(EXTRAS[:4])
     n_words = len(long.split())

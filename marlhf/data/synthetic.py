@@ -728,6 +728,7 @@ def pair_difference(prompt: str, chosen: str, rejected: str) -> str:
     a, b = score_details(prompt, chosen), score_details(prompt, rejected)
     return "+".join(k for k in GOLD_COMPONENTS if abs(a[k] - b[k]) > 1e-9) or "none"
 
+
 def oracle_summary(prompt: str) -> str:
     """A flawless summary (gold score 1.0) of a generated prompt: the ceiling for benchmarks."""
     post = parse_post(prompt)
