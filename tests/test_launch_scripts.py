@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -515,6 +516,20 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert (ppo.termination_condition, ppo.ngram_n, ppo.max_steps > 0) == ("fixed", 5, True)
     zero = 0 if ranks == 1 else 2
     assert (sft.zero_stage, rm.zero_stage, ppo.actor_zero_stage, ppo.critic_zero_stage) == (zero,) * 4
+
+
+def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(tmp_path):
+    """tests/test_gold_rl.py starts its RL runs from the SFT model the sweep recorded (docs/results/runs/base/
+    step1, the quick start's step 1 at seed 1234) instead of training it again (~7 minutes on 2 CPU cores):
+    that model must be what the current tiny step-1 script trains.  When this fails, re-record it with
+    ``python scripts/e2e_rlhf.py --step 1`` (or a new sweep) and copy the step-1 folder there."""
+    recorded = json.loads((REPO / "docs/results/runs/base/step1/args.json").read_text())
+    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path)
+    keys = ("data_path", "data_split", "eval_fraction", "model_name_or_path", "num_train_epochs", "max_steps",
+            "learning_rate", "lr_scheduler_type", "warmup_ratio", "num_warmup_steps", "weight_decay",
+            "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_len", "seed", "dtype",
+            "loss_aggregation", "dropout", "lora_dim")
+    assert {k: recorded[k] for k in keys} == {k: getattr(sft, k) for k in keys}
 
 
 def test_tiny_code_scripts(tmp_path):

@@ -197,7 +197,7 @@ def test_quick_sweep_end_to_end(tmp_path):
            "--parallel", "2", "--records", str(kept)]
     # its own ports and data cache: the launch scripts' defaults (29500, /tmp/data_files) may be taken
     env = {**os.environ, "MASTER_PORT": "29683", "DATA_OUTPUT_PATH": str(tmp_path / "data")}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table_rows(report.read_text())
     for variant in ("ppo", "n5"):
