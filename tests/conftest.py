@@ -12,6 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 STEP1 = REPO / "training/step1_supervised_finetuning/main.py"
 STEP2 = REPO / "training/step2_reward_model_finetuning/main.py"
 STEP3 = REPO / "training/step3_rlhf_finetuning/main.py"
+# the quick start's step-1 model as the sweep recorded it (test_gold_rl starts from it; test_launch_scripts checks
+# that the current tiny step-1 script trains that model)
+RECORDED_SFT = REPO / "docs/results/runs/base/step1"
 
 # The suite runs on two pytest-xdist workers sharing the machine's cores (pyproject.toml).  Each worker, and every
 # process it starts, computes on one thread: with torch's default of a thread per core, two training runs at

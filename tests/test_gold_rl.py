@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import RECORDED_SFT, REPO
 
 RL_STEPS = 16
 
@@ -27,18 +27,13 @@ def _e2e(out, *args, port):
     return proc
 
 
-@pytest.fixture(scope="session")
-def quickstart_sft(embedded):
-    return REPO / "docs/results/runs/base/step1"
-
-
 @pytest.fixture(scope="module", params=[1, 5], ids=["ppo_n1", "mappo_n5"])
-def gold_run(request, quickstart_sft, tmp_path_factory):
+def gold_run(request, embedded, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"gold_n{n}")
     # the critic starts from the SFT model too (a new value head): the reward is the gold scorer
-    _e2e(out, "--step", "3", "--ngram", str(n), "--actor_model", str(quickstart_sft),
-         "--reward_model", str(quickstart_sft), "--extra_args=--reward_source=gold",
+    _e2e(out, "--step", "3", "--ngram", str(n), "--actor_model", str(RECORDED_SFT),
+         "--reward_model", str(RECORDED_SFT), "--extra_args=--reward_source=gold",
          f"--extra_args=--max_steps={RL_STEPS}", port=29672 + n)
     return json.loads((out / "step3/summary.json").read_text())
 

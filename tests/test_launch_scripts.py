@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import RECORDED_SFT
 
 from marlhf.config import BaseArgs, DPOArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
 
@@ -518,18 +519,23 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert (sft.zero_stage, rm.zero_stage, ppo.actor_zero_stage, ppo.critic_zero_stage) == (zero,) * 4
 
 
-def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(tmp_path):
+def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(embedded, tmp_path):
     """tests/test_gold_rl.py starts its RL runs from the SFT model the sweep recorded (docs/results/runs/base/
     step1, the quick start's step 1 at seed 1234) instead of training it again (~7 minutes on 2 CPU cores):
     that model must be what the current tiny step-1 script trains.  When this fails, re-record it with
     ``python scripts/e2e_rlhf.py --step 1`` (or a new sweep) and copy the step-1 folder there."""
-    recorded = json.loads((REPO / "docs/results/runs/base/step1/args.json").read_text())
+    from transformers import AutoTokenizer
+
+    recorded = json.loads((RECORDED_SFT / "args.json").read_text())
     _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path)
     keys = ("data_path", "data_split", "eval_fraction", "model_name_or_path", "num_train_epochs", "max_steps",
             "learning_rate", "lr_scheduler_type", "warmup_ratio", "num_warmup_steps", "weight_decay",
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_len", "seed", "dtype",
             "loss_aggregation", "dropout", "lora_dim")
     assert {k: recorded[k] for k in keys} == {k: getattr(sft, k) for k in keys}
+    # and on the current embedded task: its tokenizer is trained on the task's text, so a new task version shows
+    assert AutoTokenizer.from_pretrained(RECORDED_SFT).get_vocab() == \
+        AutoTokenizer.from_pretrained(embedded.tokenizer_dir).get_vocab()
 
 
 def test_tiny_code_scripts(tmp_path):
