@@ -12,7 +12,10 @@ the report also gives the *label ceiling*: the share of the first --max_eval hel
 answer really has the higher gold score (~0.90 at label noise 0.1).  ``--breakdown`` also scores those pairs
 with each run's model and reports how often it orders a pair as the gold scorer does, overall and by what
 sets the pair apart (``synthetic.pair_difference``: a dropped fact is "coverage", an invented one replacing a
-fact "coverage+invented", sentences out of order "order", ...): which flaws the reward model cannot see.
+fact "coverage+invented", sentences out of order "order", ...) and by the flaws the generator drew for the
+pair (``synthetic.extra_flaws``: "drop", "swap_tags", "invent:pet", ...): which flaws the reward model cannot
+see.  ``--likelihood_of MODEL`` adds a reference ranker to that table: each answer's summed log-probability
+under MODEL (e.g. the SFT model the reward models start from).
 
     python scripts/bench_reward_model.py --sft runs/quickstart/step1 --seeds 1 2 3 \\
         --setting base: --setting "e4:--num_train_epochs=4" --out bench_results/reward_model.json
@@ -55,6 +58,9 @@ def parse_args(argv=None):
                    "(the launch script's MAX_EVAL_SAMPLES).")
     p.add_argument("--breakdown", action="store_true", help="Agreement with the gold scorer by what sets each "
                    "held-out pair apart (synthetic data only).")
+    p.add_argument("--likelihood_of", default="", help="With --breakdown: also rank the held-out pairs by each "
+                   "answer's summed log-probability under this causal LM (e.g. the --sft model), a reference "
+                   "for what the reward models learn.")
     p.add_argument("--out", default="bench_results/reward_model.json")
     return p.parse_args(argv)
 
@@ -80,23 +86,39 @@ def label_ceiling(max_eval: int) -> float:
     return agree / len(records)
 
 
+def flaw_group(meta: dict) -> str:
+    """What the generator drew to make a pair's worse side (``synthetic.extra_flaws``), dropped facts named
+    "drop" whatever the slot, invented ones by kind ("invent:pet", "invent:age": a narrator tag a few years
+    off, "invent:name": a sentence naming the pet wrongly), "swap_tags" (narrator and other tags exchanged)."""
+    from marlhf.data.synthetic import extra_flaws
+
+    return "+".join(sorted("drop" if f.startswith("drop:") else f for f in extra_flaws(meta)))
+
+
+def _by_group(keys: list[str], agree: list[bool]) -> dict:
+    groups: dict[str, list[bool]] = {}
+    for key, ok in zip(keys, agree):
+        groups.setdefault(key, []).append(ok)
+    return {k: {"pairs": len(v), "gold_agreement": sum(v) / len(v)}
+            for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))}
+
+
 def gold_breakdown(scorer, records: list) -> dict:
-    """How often ``scorer(prompts, responses)`` orders a held-out pair as the gold scorer does, overall and per
-    :func:`synthetic.pair_difference` of the pair (largest groups first), next to its label accuracy."""
+    """How often ``scorer(prompts, responses)`` orders a held-out pair as the gold scorer does, overall, per
+    :func:`synthetic.pair_difference` of the pair and per :func:`flaw_group` (largest groups first), next to
+    its label accuracy."""
     from marlhf.data.synthetic import gold_score, pair_difference
 
     prompts = [r.prompt for r in records]
     chosen, rejected = scorer(prompts, [r.chosen for r in records]), scorer(prompts, [r.rejected for r in records])
-    groups: dict[str, list[bool]] = {}
-    agree = []
-    for r, c, j in zip(records, chosen, rejected):
-        gold_prefers_chosen = gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected)
-        agree.append((c > j) == gold_prefers_chosen)
-        groups.setdefault(pair_difference(r.prompt, r.chosen, r.rejected), []).append(agree[-1])
-    by_kind = {k: {"pairs": len(v), "gold_agreement": sum(v) / len(v)}
-               for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))}
-    return {"pairs": len(records), "label_accuracy": sum(c > j for c, j in zip(chosen, rejected)) / len(records),
-            "gold_agreement": sum(agree) / len(agree), "by_difference": by_kind}
+    agree = [(c > j) == (gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected))
+             for r, c, j in zip(records, chosen, rejected)]
+    out = {"pairs": len(records), "label_accuracy": sum(c > j for c, j in zip(chosen, rejected)) / len(records),
+           "gold_agreement": sum(agree) / len(agree),
+           "by_difference": _by_group([pair_difference(r.prompt, r.chosen, r.rejected) for r in records], agree)}
+    if all("flaws" in r.meta for r in records):
+        out["by_flaw"] = _by_group([flaw_group(r.meta) for r in records], agree)
+    return out
 
 
 def final_eval(folder: Path) -> dict:
@@ -141,20 +163,26 @@ def markdown(report: dict) -> str:
         lines.append(f"| {s['name']} | `{' '.join(s['flags']) or '(script defaults)'}` | {per_seed} | "
                      f"{s['summary']['accuracy_mean']:.3f} | {s['summary']['accuracy_min']:.3f} | "
                      f"{s['summary']['seconds_mean']:.0f} |")
-    broken = [(s["name"], r) for s in report["settings"] for r in s["runs"] if "breakdown" in r]
-    if broken:
-        first = broken[0][1]["breakdown"]
-        kinds = [k for k, v in first["by_difference"].items() if v["pairs"] >= 0.01 * first["pairs"]]
-        lines += ["", "Agreement with the gold scorer's order of each held-out pair, by what sets the pair apart "
-                  "(pairs in the first run; groups under 1% of the pairs are in the JSON only):", "",
+    broken = [(s["name"], r["seed"], r["breakdown"]) for s in report["settings"] for r in s["runs"]
+              if "breakdown" in r]
+    if "likelihood_reference" in report:
+        broken.append((f"likelihood of `{report['likelihood_reference']['model']}` (reference)", "",
+                       report["likelihood_reference"]["breakdown"]))
+    titles = {"by_difference": "what sets the pair apart in the gold scorer's components",
+              "by_flaw": "the flaws drawn for the worse side (`synthetic.extra_flaws`)"}
+    for grouping, title in titles.items() if broken else ():
+        first = broken[0][2]
+        if grouping not in first:
+            continue
+        kinds = [k for k, v in first[grouping].items() if v["pairs"] >= 0.01 * first["pairs"]]
+        lines += ["", f"Agreement with the gold scorer's order of each held-out pair, by {title} (groups under "
+                  "1% of the pairs are in the JSON only):", "",
                   "| setting | seed | all | " + " | ".join(kinds) + " |", "|---|---|---:|" + "---:|" * len(kinds)]
-        for name, r in broken:
-            cells = [f"{r['breakdown']['by_difference'][k]['gold_agreement']:.3f}"
-                     if k in r["breakdown"]["by_difference"] else "" for k in kinds]
-            lines.append(f"| {name} | {r['seed']} | {r['breakdown']['gold_agreement']:.3f} | "
-                         + " | ".join(cells) + " |")
+        for name, seed, b in broken:
+            cells = [f"{b[grouping][k]['gold_agreement']:.3f}" if k in b[grouping] else "" for k in kinds]
+            lines.append(f"| {name} | {seed} | {b['gold_agreement']:.3f} | " + " | ".join(cells) + " |")
         lines.append(f"| pairs | | {first['pairs']} | "
-                     + " | ".join(str(first["by_difference"][k]["pairs"]) for k in kinds) + " |")
+                     + " | ".join(str(first[grouping][k]["pairs"]) for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +203,15 @@ def main(argv=None) -> int:
         from marlhf.data.adapters import load_records
 
         held_out = load_records(args.data_path or "synthetic", split="test")[:args.max_eval]
+        if args.likelihood_of:
+            from marlhf.eval.reward import LikelihoodScorer
+
+            ref = gold_breakdown(LikelihoodScorer(args.likelihood_of), held_out)
+            report["likelihood_reference"] = {"model": args.likelihood_of, "breakdown": ref}
+            print(f"likelihood of {args.likelihood_of}: label accuracy {ref['label_accuracy']:.3f}, agrees with "
+                  f"the gold scorer on {ref['gold_agreement']:.3f}", flush=True)
+    elif args.likelihood_of:
+        raise SystemExit("--likelihood_of needs --breakdown")
     for name, flags in settings:
         runs = []
         for seed in args.seeds:
@@ -187,11 +224,10 @@ def main(argv=None) -> int:
             if args.breakdown:
                 from marlhf.eval.reward import Scorer
 
-                run["breakdown"] = gold_breakdown(Scorer(str(out)), held_out)
-                print(f"{name} seed {seed}: agrees with the gold scorer on {run['breakdown']['gold_agreement']:.3f}"
-                      " of the pairs; by difference: " + ", ".join(
-                          f"{k} {v['gold_agreement']:.3f} ({v['pairs']})"
-                          for k, v in run["breakdown"]["by_difference"].items()), flush=True)
+                run["breakdown"] = b = gold_breakdown(Scorer(str(out)), held_out)
+                print(f"{name} seed {seed}: agrees with the gold scorer on {b['gold_agreement']:.3f} of the pairs; "
+                      "by flaw: " + ", ".join(f"{k} {v['gold_agreement']:.3f} ({v['pairs']})"
+                                              for k, v in b.get("by_flaw", b["by_difference"]).items()), flush=True)
             if not args.keep_models:
                 for f in ("model.safetensors",):
                     (out / f).unlink(missing_ok=True)

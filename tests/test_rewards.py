@@ -198,3 +198,27 @@ def test_make_experience_hands_the_batch_meta_to_the_reward_source(tmp_path):
     assert got_meta == meta and len(ended) == 4
     assert exp.scores.tolist() == [float(len(r)) for r in responses]
     assert stats["reward"] == pytest.approx(sum(len(r) for r in responses) / 4)
+
+
+def test_likelihood_scorer_sums_each_answer_tokens_log_probability(embedded, records):
+    """LikelihoodScorer (bench_reward_model --likelihood_of) against a loop that scores one answer token at a
+    time from an unpadded forward over the tokens before it."""
+    from transformers import AutoModelForCausalLM
+
+    from marlhf.eval.reward import LikelihoodScorer, _items
+
+    scorer = LikelihoodScorer(str(embedded.model_dir))
+    prompts = [r.prompt for r in records[:3]]
+    responses = [records[0].chosen, records[1].rejected, " I (99F) need advice."]
+    got = scorer(prompts, responses, batch_size=2)  # two batches, the first one padded
+    model = AutoModelForCausalLM.from_pretrained(embedded.model_dir).eval()
+    items = _items(scorer.tok, prompts, responses, eot=scorer.eot, prompt_format=scorer.format.prompt_format,
+                   max_seq_len=1024)
+    for item, value in zip(items, got):
+        ids, expected = item["input_ids"], 0.0
+        for t in range(item["response_start"], len(ids)):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids[:t]])).logits[0, -1].double()
+            expected += logits.log_softmax(-1)[ids[t]].item()
+        assert value == pytest.approx(expected, abs=1e-3)
+    assert len(set(got)) == 3 and max(got) < 0

@@ -27,6 +27,7 @@ from marlhf.data.synthetic import (
     UNFINISHED_FACTOR,
     VOCAB_SLOTS,
     SyntheticConfig,
+    extra_flaws,
     generate,
     gold_score,
     gold_scores,
@@ -127,6 +128,46 @@ def test_pair_difference_names_the_components_that_set_a_pair_apart():
     assert "none" not in kinds and {"coverage", "order"} <= kinds
 
 
+def test_generated_pairs_record_the_flaws_that_set_them_apart():
+    """meta["flaws"]: one side's list extends the other's by the 1-2 extra flaws of the pair, and a pair that
+    differs in one named flaw shows that flaw in its text and gold components."""
+    import collections
+
+    records = generate(SyntheticConfig(num_records=400, label_noise=0.0))
+    checked, improved = collections.Counter(), []
+    for r in records:
+        extra = extra_flaws(r.meta)
+        flaws = r.meta["flaws"]
+        assert 1 <= len(extra) <= 2
+        if flaws["chosen"] == flaws["rejected"] + extra:  # an extra flaw undid one: a swap back, an invention dropped
+            improved.append(extra)
+            continue
+        assert flaws["rejected"] == flaws["chosen"] + extra
+        if len(extra) > 1:
+            continue
+        (flaw,) = extra
+        better, worse = score_details(r.prompt, r.chosen), score_details(r.prompt, r.rejected)
+        tags = re.findall(r"\((\d+[FM])\)", r.chosen)
+        if flaw.startswith("drop:"):
+            assert worse["coverage"] < better["coverage"] and worse["invented"] == better["invented"], r.source
+        elif flaw == "invent:name":  # an appended sentence naming the pet wrongly
+            assert re.fullmatch(re.escape(r.chosen) + r" (He|She) named it [A-Z]\w+\.", r.rejected), r.source
+        elif flaw.startswith("invent:"):
+            assert worse["invented"] == better["invented"] + 1, r.source
+        elif flaw == "swap_order":
+            assert worse["order"] < better["order"] and worse["coverage"] == better["coverage"], r.source
+        elif flaw == "swap_tags" and len(tags) == 2:  # both tags mentioned: they trade places
+            assert re.findall(r"\((\d+[FM])\)", r.rejected) == tags[::-1], r.source
+        else:
+            continue
+        checked[flaw.split(":")[0]] += 1
+    assert set(checked) == {"drop", "invent", "swap_order", "swap_tags"} and min(checked.values()) >= 5, checked
+    # only a swap (back) or a drop (of an invented fact) can undo a flaw; an invention never helps
+    assert len(improved) < 0.1 * len(records) and not any(all(f.startswith("invent:") for f in e) for e in improved)
+    with pytest.raises(ValueError, match="no 'flaws'"):
+        extra_flaws({"facts": {}})
+
+
 def test_bench_reward_model_breakdown_against_the_gold_scorer():
     """scripts/bench_reward_model.py --breakdown: a scorer that is the gold scorer agrees on every pair, its
     negation on none; the label accuracy counts label noise; groups are pair_difference's, largest first."""
@@ -152,6 +193,9 @@ def test_bench_reward_model_breakdown_against_the_gold_scorer():
     assert {k: v["pairs"] for k, v in exact["by_difference"].items()} == dict(counts)
     assert list(exact["by_difference"]) == sorted(counts, key=lambda k: (-counts[k], k))
     assert all(v["gold_agreement"] == 1.0 for v in exact["by_difference"].values())
+    flaw_counts = collections.Counter(bench.flaw_group(r.meta) for r in records)
+    assert {k: v["pairs"] for k, v in exact["by_flaw"].items()} == dict(flaw_counts)
+    assert "swap_tags" in flaw_counts and not any(k.startswith("drop:") for k in flaw_counts)
     inverse = bench.gold_breakdown(lambda p, r: [-x for x in gold(p, r)], records)
     assert inverse["gold_agreement"] == 0.0 and inverse["label_accuracy"] == pytest.approx(noisy / 80)
     # a scorer that only sees length: agreement per group equals a loop's
@@ -161,6 +205,11 @@ def test_bench_reward_model_breakdown_against_the_gold_scorer():
         agree = [(len(r.chosen) > len(r.rejected))
                  == (gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected)) for r in group]
         assert row["gold_agreement"] == pytest.approx(sum(agree) / len(agree)), kind
+    for group, row in length["by_flaw"].items():
+        agree = [(len(r.chosen) > len(r.rejected))
+                 == (gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected))
+                 for r in records if bench.flaw_group(r.meta) == group]
+        assert row["gold_agreement"] == pytest.approx(sum(agree) / len(agree)), group
     runs = [{"seed": 1, "accuracy": exact["label_accuracy"], "seconds": 1.0, "breakdown": exact},
             {"seed": 2, "accuracy": inverse["label_accuracy"], "seconds": 1.0, "breakdown": inverse}]
     table = bench.markdown({"sft": "sft", "data_path": "synthetic", "max_eval": 80, "label_ceiling": 1 - noisy / 80,

@@ -357,6 +357,7 @@ class _Plan:
     style: list[int]  # template choice per sentence
     order: list[int]  # permutation of the body sentences (pet/problem, tried, question)
     extras: list[str] = dataclasses.field(default_factory=list)  # appended sentences (invented details)
+    flaws: list[str] = dataclasses.field(default_factory=list)  # flaws drawn, in order ("drop:narrator", ...)
 
 
 def _render(plan: _Plan) -> str:
@@ -432,7 +433,7 @@ def _add_flaws(plan: _Plan, rng: random.Random, weights: Sequence[float]) -> _Pl
     """A copy of ``plan`` with k flaws applied (k drawn from ``weights``)."""
     plan = dataclasses.replace(
         plan, facts=dataclasses.replace(plan.facts), keep=set(plan.keep), order=list(plan.order),
-        extras=list(plan.extras),
+        extras=list(plan.extras), flaws=list(plan.flaws),
     )
     num_flaws = rng.choices(range(len(weights)), weights=weights)[0]
     for flaw in rng.choices(_FLAWS, k=num_flaws):
@@ -440,8 +441,9 @@ def _add_flaws(plan: _Plan, rng: random.Random, weights: Sequence[float]) -> _Pl
             # The narrator tag and the question are the facts most often left out by real summaries.
             slot = rng.choice(["narrator", "narrator", "question", "tried", "place", "who", "pet", "problem"])
             plan.keep.discard(slot)
+            flaw = f"drop:{slot}"
         elif flaw == "invent":
-            _invent(plan, rng)
+            flaw = f"invent:{_invent(plan, rng)}"
         elif flaw == "swap_tags":
             plan.facts.narrator, plan.facts.other = plan.facts.other, plan.facts.narrator
         elif flaw == "swap_order":
@@ -449,11 +451,13 @@ def _add_flaws(plan: _Plan, rng: random.Random, weights: Sequence[float]) -> _Pl
             plan.order[i], plan.order[i + 1] = plan.order[i + 1], plan.order[i]
         else:  # pragma: no cover - the tuple above is the whole list
             raise AssertionError(flaw)
+        plan.flaws.append(flaw)
     return plan
 
 
-def _invent(plan: _Plan, rng: random.Random) -> None:
-    """Replace a fact by one the post does not contain, or add an invented detail."""
+def _invent(plan: _Plan, rng: random.Random) -> str:
+    """Replace a fact by one the post does not contain, or add an invented detail; returns which ("pet",
+    "age", "name": a sentence naming the pet wrongly, ...)."""
     f = plan.facts
     kind = rng.choice(["pet", "place", "tried", "problem", "question", "name", "age"])
     if kind == "name":
@@ -467,6 +471,7 @@ def _invent(plan: _Plan, rng: random.Random) -> None:
             kind
         ]
         setattr(f, kind, rng.choice([x for x in pool if x != getattr(f, kind)]))
+    return kind
 
 
 def _record_rng(seed: int, index: int) -> random.Random:
@@ -478,7 +483,8 @@ def generate(cfg: SyntheticConfig | None = None) -> list[Record]:
     """Preference pairs of the embedded task, deterministic in ``cfg`` (record i depends on seed, i only).
 
     A pair is one candidate summary and a copy of it with 1-2 more flaws (same wording otherwise), the
-    higher gold score chosen, the label then flipped with probability ``label_noise``.
+    higher gold score chosen, the label then flipped with probability ``label_noise``.  ``meta["flaws"]``
+    lists the flaws each side was drawn with (:func:`extra_flaws` names what sets the pair apart).
     """
     cfg = cfg or SyntheticConfig()
     records = []
@@ -490,17 +496,23 @@ def generate(cfg: SyntheticConfig | None = None) -> list[Record]:
         a = _render(plan)
         score_a = gold_score(prompt, a)
         for _ in range(cfg.max_tie_resamples):
-            b = _render(_add_flaws(plan, rng, cfg.extra_flaw_weights))
+            other = _add_flaws(plan, rng, cfg.extra_flaw_weights)
+            b = _render(other)
             score_b = gold_score(prompt, b)
             if abs(score_a - score_b) > 1e-9:
                 break
         else:
             raise RuntimeError(f"record {i}: no non-tied candidate pair in {cfg.max_tie_resamples} draws")
-        chosen, rejected = (a, b) if score_a > score_b else (b, a)
+        sides = [(a, plan.flaws), (b, other.flaws)]
+        if score_a < score_b:
+            sides.reverse()
         if rng.random() < cfg.label_noise:
-            chosen, rejected = rejected, chosen
-        records.append(Record(prompt=prompt, chosen=chosen, rejected=rejected, source=f"synthetic:{i}",
-                              meta={"facts": facts_meta(parse_post(prompt))}))
+            sides.reverse()
+        (chosen, chosen_flaws), (rejected, rejected_flaws) = sides
+        # The flaws each side was drawn with: the copy's are the candidate's plus the 1-2 extra ones the pair
+        # is about (an extra flaw can also undo one: a swap back, an invented fact dropped; ~6% of pairs).
+        meta = {"facts": facts_meta(parse_post(prompt)), "flaws": {"chosen": chosen_flaws, "rejected": rejected_flaws}}
+        records.append(Record(prompt=prompt, chosen=chosen, rejected=rejected, source=f"synthetic:{i}", meta=meta))
     return records
 
 
@@ -727,6 +739,18 @@ def pair_difference(prompt: str, chosen: str, rejected: str) -> str:
     post does not hold), or "none".  Groups a reward model's held-out pairs by the kind of flaw it must see."""
     a, b = score_details(prompt, chosen), score_details(prompt, rejected)
     return "+".join(k for k in GOLD_COMPONENTS if abs(a[k] - b[k]) > 1e-9) or "none"
+
+
+def extra_flaws(meta: dict) -> list[str]:
+    """The flaws that set a generated pair apart (from its ``meta["flaws"]``): those drawn for the copy beyond
+    the candidate's, in the order drawn, e.g. ``["swap_tags"]`` or ``["drop:question", "invent:pet"]``.
+    Labels do not change them (label noise swaps the sides, not the flaws)."""
+    if "flaws" not in meta:
+        raise ValueError("record meta has no 'flaws' (not a pair of the embedded task's generator)")
+    fewer, more = sorted((meta["flaws"]["chosen"], meta["flaws"]["rejected"]), key=len)
+    if more[: len(fewer)] != fewer:
+        raise ValueError(f"meta['flaws']: {more} does not extend {fewer}")
+    return more[len(fewer):]
 
 
 def oracle_summary(prompt: str) -> str:

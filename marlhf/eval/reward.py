@@ -35,14 +35,48 @@ class Scorer:
         return self(prompts, responses)
 
 
+class LikelihoodScorer:
+    """``scorer(prompts, responses) -> scores``: each response's summed log-probability (end token included)
+    under a causal LM, tokenized as step 2 tokenizes a pair.  A reference ranker for reward models: an SFT
+    model imitates the chosen answers, so how likely it finds an answer says much about the answer's quality
+    (and it reads every token, where a reward model's score head reads the last one)."""
+
+    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
+        from marlhf.models.loading import load_causal_lm
+
+        self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
+        self.model = load_causal_lm(path, self.tok).eval()
+        self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
+        items = _items(self.tok, prompts, responses, eot=self.eot, prompt_format=self.format.prompt_format,
+                       max_seq_len=self.max_len)
+        device, out = next(iter(self.model.parameters())).device, []
+        for i in range(0, len(items), batch_size):
+            batch = items[i:i + batch_size]
+            ids, mask = (t.to(device) for t in _pad([x["input_ids"] for x in batch], self.tok.pad_token_id))
+            logp = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float().log_softmax(-1)
+            logp = logp.gather(2, ids[:, 1:, None]).squeeze(2)  # log p of token t+1 given tokens <= t
+            start = torch.tensor([x["response_start"] for x in batch], device=device)
+            response = (torch.arange(1, ids.shape[1], device=device)[None] >= start[:, None]) & mask[:, 1:].bool()
+            out += (logp * response).sum(1).tolist()
+        return out
+
+
+def _items(tokenizer, prompts: list[str], responses: list[str], *, eot: str, prompt_format: str,
+           max_seq_len: int) -> list[dict]:
+    records = [Record(p, r, None, f"<input>:{i}") for i, (p, r) in enumerate(zip(prompts, responses), 1)]
+    return tokenize_phase(records, 1, tokenizer, eot=eot, max_seq_len=max_seq_len, max_prompt_len=0,
+                          policy=BadRowPolicy(), prompt_format=prompt_format,
+                          long_prompts=LongPromptPolicy("truncate"))
+
+
 @torch.no_grad()
 def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, eot: str, prompt_format: str,
                 max_seq_len: int, batch_size: int = 16) -> list[float]:
     """Reward-model scores of prompt + response + end token, tokenized as step 2 tokenizes them."""
-    records = [Record(p, r, None, f"<input>:{i}") for i, (p, r) in enumerate(zip(prompts, responses), 1)]
-    items = tokenize_phase(records, 1, tokenizer, eot=eot, max_seq_len=max_seq_len, max_prompt_len=0,
-                           policy=BadRowPolicy(), prompt_format=prompt_format,
-                           long_prompts=LongPromptPolicy("truncate"))
+    items = _items(tokenizer, prompts, responses, eot=eot, prompt_format=prompt_format, max_seq_len=max_seq_len)
     device = next(iter(model.parameters())).device
     out = []
     for i in range(0, len(items), batch_size):
