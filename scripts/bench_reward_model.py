@@ -14,8 +14,10 @@ with each run's model and reports how often it orders a pair as the gold scorer 
 sets the pair apart (``synthetic.pair_difference``: a dropped fact is "coverage", an invented one replacing a
 fact "coverage+invented", sentences out of order "order", ...) and by the flaws the generator drew for the
 pair (``synthetic.extra_flaws``: "drop", "swap_tags", "invent:pet", ...): which flaws the reward model cannot
-see.  ``--likelihood_of MODEL`` adds a reference ranker to that table: each answer's summed log-probability
-under MODEL (e.g. the SFT model the reward models start from).
+see.  Reference rankers join that table: ``--likelihood_of MODEL`` ranks by each answer's summed
+log-probability under MODEL (e.g. the SFT model the reward models start from), ``--implicit_reward_of
+POLICY`` by DPO's implicit reward log π_POLICY − log π_SFT (the --sft model as DPO's reference; β > 0 does not
+change the order), e.g. a model of ``training/step2_dpo_finetuning``.
 
     python scripts/bench_reward_model.py --sft runs/quickstart/step1 --seeds 1 2 3 \\
         --setting base: --setting "e4:--num_train_epochs=4" --out bench_results/reward_model.json
@@ -61,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--likelihood_of", default="", help="With --breakdown: also rank the held-out pairs by each "
                    "answer's summed log-probability under this causal LM (e.g. the --sft model), a reference "
                    "for what the reward models learn.")
+    p.add_argument("--implicit_reward_of", default="", help="With --breakdown: also rank the held-out pairs by "
+                   "the DPO implicit reward of this policy against the --sft model (log-probability difference).")
     p.add_argument("--out", default="bench_results/reward_model.json")
     return p.parse_args(argv)
 
@@ -121,6 +125,31 @@ def gold_breakdown(scorer, records: list) -> dict:
     return out
 
 
+def implicit_reward(policy, reference):
+    """DPO's implicit reward (over β) as a ranker: ``policy(p, r) - reference(p, r)`` per answer."""
+    return lambda prompts, responses: [a - b for a, b in zip(policy(prompts, responses),
+                                                             reference(prompts, responses))]
+
+
+def reference_rankers(args, held_out: list) -> list[dict]:
+    """--likelihood_of / --implicit_reward_of: each ranker's :func:`gold_breakdown` on the held-out pairs."""
+    from marlhf.eval.reward import LikelihoodScorer
+
+    rankers = []
+    if args.likelihood_of:
+        rankers.append((f"likelihood of `{args.likelihood_of}`", LikelihoodScorer(args.likelihood_of)))
+    if args.implicit_reward_of:
+        rankers.append((f"implicit reward of `{args.implicit_reward_of}`",
+                        implicit_reward(LikelihoodScorer(args.implicit_reward_of), LikelihoodScorer(args.sft))))
+    out = []
+    for name, scorer in rankers:
+        b = gold_breakdown(scorer, held_out)
+        out.append({"name": name, "breakdown": b})
+        print(f"{name}: label accuracy {b['label_accuracy']:.3f}, agrees with the gold scorer on "
+              f"{b['gold_agreement']:.3f}", flush=True)
+    return out
+
+
 def final_eval(folder: Path) -> dict:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -165,9 +194,7 @@ def markdown(report: dict) -> str:
                      f"{s['summary']['seconds_mean']:.0f} |")
     broken = [(s["name"], r["seed"], r["breakdown"]) for s in report["settings"] for r in s["runs"]
               if "breakdown" in r]
-    if "likelihood_reference" in report:
-        broken.append((f"likelihood of `{report['likelihood_reference']['model']}` (reference)", "",
-                       report["likelihood_reference"]["breakdown"]))
+    broken += [(f"{ref['name']} (reference)", "", ref["breakdown"]) for ref in report.get("references", [])]
     titles = {"by_difference": "what sets the pair apart in the gold scorer's components",
               "by_flaw": "the flaws drawn for the worse side (`synthetic.extra_flaws`)"}
     for grouping, title in titles.items() if broken else ():
@@ -203,15 +230,9 @@ def main(argv=None) -> int:
         from marlhf.data.adapters import load_records
 
         held_out = load_records(args.data_path or "synthetic", split="test")[:args.max_eval]
-        if args.likelihood_of:
-            from marlhf.eval.reward import LikelihoodScorer
-
-            ref = gold_breakdown(LikelihoodScorer(args.likelihood_of), held_out)
-            report["likelihood_reference"] = {"model": args.likelihood_of, "breakdown": ref}
-            print(f"likelihood of {args.likelihood_of}: label accuracy {ref['label_accuracy']:.3f}, agrees with "
-                  f"the gold scorer on {ref['gold_agreement']:.3f}", flush=True)
-    elif args.likelihood_of:
-        raise SystemExit("--likelihood_of needs --breakdown")
+        report["references"] = reference_rankers(args, held_out)
+    elif args.likelihood_of or args.implicit_reward_of:
+        raise SystemExit("--likelihood_of and --implicit_reward_of need --breakdown")
     for name, flags in settings:
         runs = []
         for seed in args.seeds:

@@ -210,13 +210,18 @@ def test_bench_reward_model_breakdown_against_the_gold_scorer():
                  == (gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected))
                  for r in records if bench.flaw_group(r.meta) == group]
         assert row["gold_agreement"] == pytest.approx(sum(agree) / len(agree)), group
+    # DPO's implicit reward ranks by the difference of two scorers: gold minus a constant orders as gold does
+    implicit = bench.gold_breakdown(bench.implicit_reward(gold, lambda p, r: [1.0] * len(r)), records)
+    assert implicit["gold_agreement"] == 1.0
     runs = [{"seed": 1, "accuracy": exact["label_accuracy"], "seconds": 1.0, "breakdown": exact},
             {"seed": 2, "accuracy": inverse["label_accuracy"], "seconds": 1.0, "breakdown": inverse}]
     table = bench.markdown({"sft": "sft", "data_path": "synthetic", "max_eval": 80, "label_ceiling": 1 - noisy / 80,
                             "seeds": [1, 2], "settings": [{"name": "base", "flags": [], "runs": runs,
-                                                           "summary": bench.summarize(runs)}]})
+                                                           "summary": bench.summarize(runs)}],
+                            "references": [{"name": "likelihood of `m`", "breakdown": inverse}]})
     first = next(iter(exact["by_difference"]))
     assert "| base | 1 | 1.000 | 1.000 |" in table and "| base | 2 | 0.000 | 0.000 |" in table
+    assert "| likelihood of `m` (reference) |  | 0.000 | 0.000 |" in table
     assert f"| {first} |" in table and f"| pairs | | 80 | {counts[first]} |" in table
 
 
