@@ -91,9 +91,10 @@ def label_ceiling(max_eval: int) -> float:
 
 
 def flaw_group(meta: dict) -> str:
-    """What the generator drew to make a pair's worse side (``synthetic.extra_flaws``), dropped facts named
-    "drop" whatever the slot, invented ones by kind ("invent:pet", "invent:age": a narrator tag a few years
-    off, "invent:name": a sentence naming the pet wrongly), "swap_tags" (narrator and other tags exchanged)."""
+    """The flaws that set a pair apart (``synthetic.extra_flaws``: drawn for its copy, nearly always the worse
+    side): dropped facts named "drop" whatever the slot, invented ones by kind ("invent:pet", "invent:age": a
+    narrator tag a few years off, "invent:name": a sentence naming the pet wrongly), "swap_tags" (narrator and
+    other tags exchanged)."""
     from marlhf.data.synthetic import extra_flaws
 
     return "+".join(sorted("drop" if f.startswith("drop:") else f for f in extra_flaws(meta)))
@@ -196,7 +197,7 @@ def markdown(report: dict) -> str:
               if "breakdown" in r]
     broken += [(f"{ref['name']} (reference)", "", ref["breakdown"]) for ref in report.get("references", [])]
     titles = {"by_difference": "what sets the pair apart in the gold scorer's components",
-              "by_flaw": "the flaws drawn for the worse side (`synthetic.extra_flaws`)"}
+              "by_flaw": "the flaws that set the pair apart (`synthetic.extra_flaws`)"}
     for grouping, title in titles.items() if broken else ():
         first = broken[0][2]
         if grouping not in first:

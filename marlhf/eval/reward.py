@@ -10,18 +10,22 @@ from pathlib import Path
 import torch
 
 from marlhf.data.formatting import LongPromptPolicy
-from marlhf.data.pipeline import _pad, tokenize_phase
+from marlhf.data.pipeline import SFTCollator, _pad, tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
-from marlhf.models.loading import load_tokenizer_and_format, load_value_model, sequence_scores
+from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, load_value_model, sequence_scores
 
 
 class Scorer:
     """``scorer(prompts, responses) -> scores`` of a step-2 reward model folder; the end token and prompt
     format come from the folder's record unless given."""
 
+    @staticmethod
+    def load(path: str, tokenizer):
+        return load_value_model(path, tokenizer)
+
     def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
         self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
-        self.model = load_value_model(path, self.tok).eval()
+        self.model = self.load(path, self.tok).eval()
         self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
 
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
@@ -35,32 +39,27 @@ class Scorer:
         return self(prompts, responses)
 
 
-class LikelihoodScorer:
+class LikelihoodScorer(Scorer):
     """``scorer(prompts, responses) -> scores``: each response's summed log-probability (end token included)
     under a causal LM, tokenized as step 2 tokenizes a pair.  A reference ranker for reward models: an SFT
     model imitates the chosen answers, so how likely it finds an answer says much about the answer's quality
     (and it reads every token, where a reward model's score head reads the last one)."""
 
-    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
-        from marlhf.models.loading import load_causal_lm
-
-        self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
-        self.model = load_causal_lm(path, self.tok).eval()
-        self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
+    @staticmethod
+    def load(path: str, tokenizer):
+        return load_causal_lm(path, tokenizer)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
+        from marlhf.dpo import sequence_logprobs  # DPO's Σ log π over the response: one copy of the maths
+
         items = _items(self.tok, prompts, responses, eot=self.eot, prompt_format=self.format.prompt_format,
                        max_seq_len=self.max_len)
-        device, out = next(iter(self.model.parameters())).device, []
+        collate, device, out = SFTCollator(self.tok.pad_token_id), next(iter(self.model.parameters())).device, []
         for i in range(0, len(items), batch_size):
-            batch = items[i:i + batch_size]
-            ids, mask = (t.to(device) for t in _pad([x["input_ids"] for x in batch], self.tok.pad_token_id))
-            logp = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float().log_softmax(-1)
-            logp = logp.gather(2, ids[:, 1:, None]).squeeze(2)  # log p of token t+1 given tokens <= t
-            start = torch.tensor([x["response_start"] for x in batch], device=device)
-            response = (torch.arange(1, ids.shape[1], device=device)[None] >= start[:, None]) & mask[:, 1:].bool()
-            out += (logp * response).sum(1).tolist()
+            batch = {k: v.to(device) for k, v in collate(items[i:i + batch_size]).items()}
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            out += sequence_logprobs(logits, batch["labels"]).tolist()
         return out
 
 
