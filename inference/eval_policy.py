@@ -22,7 +22,7 @@ from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
 from marlhf.eval.generate import policy_folder
 from marlhf.eval.policy import evaluate_policy
-from marlhf.models.loading import load_causal_lm, load_value_model, resolve_model_path, run_tokenizer
+from marlhf.models.loading import load_causal_lm, load_reward_model, resolve_model_path, run_tokenizer
 from marlhf.rewards import build_reward_source, evaluation_sources
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
@@ -48,7 +48,7 @@ def main(argv=None):
                                   end_of_conversation_token=fmt.end_of_conversation_token))
     ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0)) \
         if args.ref_model_name_or_path else None
-    reward_model = frozen(load_value_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
+    reward_model = frozen(load_reward_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
     # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests
     reward = build_reward_source(args.reward_source, workers=args.reward_workers) \
         if args.reward_source == "program_tests" else None  # the other two are reported whenever available

@@ -161,6 +161,11 @@ class RewardArgs(SupervisedArgs):
     reward_loss: str = opt("last", "Pairwise loss on the final-token scores ('last', the score step 3 uses) or on the "
                            "per-token rewards over the span where chosen and rejected differ ('divergence', "
                            "DeepSpeed-Chat's); accuracy is on the scores either way.", choices=("last", "divergence"))
+    likelihood_term: bool = opt(False, "Add α·Σ log p(answer | prompt) to the score, under a next-token head over "
+                                "the reward model's hidden states started from the SFT model's (α learnt, from 1): "
+                                "the head sees whether each answer token was to be expected, which a score head on "
+                                "the last token learns poorly (a replaced fact).  Costs one vocabulary-wide "
+                                "projection per token when scoring.")
 
     def validate(self) -> None:
         super().validate()

@@ -36,7 +36,7 @@ class RewardSource(Protocol):
 class SequenceScorer(Protocol):
     """A reward source that can score token sequences directly (a reward model)."""
 
-    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
         ...
 
 
@@ -52,11 +52,11 @@ class RewardModelSource:
         self.eot, self.prompt_format, self.max_seq_len, self.batch_size = eot, prompt_format, max_seq_len, batch_size
 
     @torch.no_grad()
-    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B,) scores of already-tokenized sequences (left- or right-padded)."""
+    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+        """(B,) scores of already-tokenized sequences: left-padded prompts ``prompt_width`` wide, then answers."""
         from marlhf.models.loading import sequence_scores
 
-        return sequence_scores(self.model, seq, attention_mask)
+        return sequence_scores(self.model, seq, attention_mask, prompt_width)
 
     def score(self, prompts, responses, meta=None, *, ended=None) -> list[float]:
         """Scores of prompt + response + end token, tokenized as step 2 tokenizes them."""
@@ -83,7 +83,7 @@ def score_samples(source, tokenizer, s: Samples, meta: Sequence[dict] | None = N
     """(N,) float32 scores of sampled answers: a :class:`SequenceScorer` reads the generated sequences as they
     are; any other source gets the decoded prompts and answers, ``meta`` and the end flags."""
     if isinstance(source, SequenceScorer):
-        return source.score_sequences(s.seq, s.attention_mask).float()
+        return source.score_sequences(s.seq, s.attention_mask, s.prompt_width).float()
     prompts, responses = decode_samples(tokenizer, s)
     scores = source.score(prompts, responses, metas_for(meta, len(responses)), ended=s.ended.tolist())
     return torch.tensor(scores, dtype=torch.float32, device=s.seq.device)

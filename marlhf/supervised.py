@@ -107,7 +107,7 @@ def divergence_pairwise_loss(values: torch.Tensor, input_ids: torch.Tensor, atte
 def reward_loss(model, batch: dict, label_smoothing: float = 0.0, kind: str = "last"):
     """``kind`` "last": Bradley–Terry on the final-token scores (the score step 3 uses); "divergence": on the
     per-token rewards of the span where the pair differs (DeepSpeed-Chat's).  Accuracy is on the scores."""
-    values = token_values(model, batch["input_ids"], batch["attention_mask"])  # (2B, T)
+    values = token_values(model, batch["input_ids"], batch["attention_mask"], batch["response_start"])  # (2B, T)
     scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
     chosen, rejected = scores.chunk(2)
     if kind == "divergence":
@@ -123,7 +123,8 @@ def reward_evaluate(model, loader) -> dict:
     total = torch.zeros(4, dtype=torch.float64)  # correct, chosen sum, rejected sum, count
     for batch in loader:
         batch = _to_device(batch)
-        chosen, rejected = sequence_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
+        chosen, rejected = sequence_scores(model, batch["input_ids"], batch["attention_mask"],
+                                           batch["response_start"]).chunk(2)
         total += torch.tensor([(chosen > rejected).sum().item(), chosen.sum().item(), rejected.sum().item(),
                                chosen.numel()], dtype=torch.float64)
     model.train()

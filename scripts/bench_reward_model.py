@@ -22,10 +22,11 @@ change the order), e.g. a model of ``training/step2_dpo_finetuning``.
     python scripts/bench_reward_model.py --sft runs/quickstart/step1 --seeds 1 2 3 \\
         --setting base: --setting "e4:--num_train_epochs=4" --out bench_results/reward_model.json
 
-A setting is NAME:FLAGS (FLAGS space-separated main.py flags in the --flag=value form, empty = the launch
-script's defaults); ``--from_scratch`` starts the RM from the embedded tiny model instead of --sft.  Run it
-under the heavy lock on a shared machine: each run is ~2 min on 2 CPU cores.  Writes the JSON report to
---out and a markdown table next to it (same name, .md).
+A setting is NAME:FLAGS (FLAGS space-separated main.py flags in the --flag=value form, or the launch
+script's environment overrides as VAR=value, e.g. ``plain:LIKELIHOOD_TERM=0`` for the score head alone;
+empty = the launch script's defaults); ``--from_scratch`` starts the RM from the embedded tiny model
+instead of --sft.  Run it under the heavy lock on a shared machine: each run is 2-4 min on 2 CPU cores.
+Writes the JSON report to --out and a markdown table next to it (same name, .md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -74,10 +76,13 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
     if not sep or not name:
         raise SystemExit(f"--setting must be NAME:FLAGS (got {text!r})")
     flags = flags.split()
-    bad = [f for f in flags if not f.startswith("--") or "=" not in f]
+    bad = [f for f in flags if not (f.startswith("--") and "=" in f) and not _ENV.fullmatch(f)]
     if bad:
-        raise SystemExit(f"--setting {name}: flags must be --flag=value, got {bad}")
+        raise SystemExit(f"--setting {name}: flags must be --flag=value or VAR=value, got {bad}")
     return name, flags
+
+
+_ENV = re.compile(r"[A-Z][A-Z0-9_]*=\S*")  # a launch-script environment override
 
 
 def label_ceiling(max_eval: int) -> float:
@@ -163,7 +168,9 @@ def final_eval(folder: Path) -> dict:
 
 
 def run_one(sft: str, data_path: str, flags: list[str], seed: int, out: Path) -> dict:
-    env = dict(os.environ, MODEL_PATH=sft, EXTRA_ARGS=" ".join([f"--seed={seed}", *flags]))
+    overrides = dict(f.split("=", 1) for f in flags if _ENV.fullmatch(f))
+    main_flags = [f for f in flags if not _ENV.fullmatch(f)]
+    env = dict(os.environ, MODEL_PATH=sft, EXTRA_ARGS=" ".join([f"--seed={seed}", *main_flags]), **overrides)
     if data_path:
         env["DATA_PATH"] = data_path
     env.setdefault("PYTHONPATH", str(REPO))

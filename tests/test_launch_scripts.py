@@ -224,7 +224,7 @@ def test_script_knobs_are_not_environment_overrides(step, tmp_path):
              "GLOBAL_BATCH", "LR", "PER_DEVICE", "ZERO_STAGE", "PPO_BATCH", "ACTOR_LR", "CRITIC_LR",
              "WARMUP_STEPS", "TRAIN_PER_DEVICE", "TEMPERATURE", "TOP_K", "PRINT_INTERVAL", "GRAD_ACCUM",
              "GEN_PER_DEVICE", "WORLD", "FLAGS", "DEVICE", "ACTOR_ZERO_STAGE", "CRITIC_ZERO_STAGE", "BETA",
-             "ADV_ESTIMATOR", "SAMPLES_PER_PROMPT"]
+             "ADV_ESTIMATOR", "SAMPLES_PER_PROMPT", "WHITEN_ADVANTAGES", "CLIP_REWARD"]
     for rel in ("gemma/run_7b.sh", "tiny/run_tiny.sh"):
         _, clean = launch_and_parse(script(step, rel), tmp_path)
         _, noisy = launch_and_parse(script(step, rel), tmp_path, **dict.fromkeys(knobs, "1"))
@@ -347,6 +347,7 @@ def test_reward_model_table5(rel, task, tmp_path):
     assert cfg.lr_scheduler_type == "cosine" and cfg.dtype == "bf16"
     assert cfg.data_path == [DATASETS[task]] and cfg.data_split == "2,4,4"
     check_memory_settings(rel, cfg.zero_stage, cfg.offload, cfg.gradient_checkpointing)
+    assert not cfg.likelihood_term  # the paper's reward model: the score head alone
     # B.2: the reward model starts from the SFT model -- by default step 1's default output of this script
     step1, _ = launch_and_parse(script(1, rel), tmp_path, TASK=task)
     assert cfg.model_name_or_path == parse(1, step1.flags, rel).output_dir
@@ -381,6 +382,7 @@ def test_ppo_table5(rel, task, tmp_path):
     assert ppo_batches(cfg) == (batch, batch)  # one actor/critic optimizer step per PPO batch
     assert (cfg.actor_learning_rate, cfg.critic_learning_rate) == (actor_lr, critic_lr)
     assert (cfg.num_train_epochs, cfg.kl_ctl, cfg.num_warmup_steps) == (epochs, kl, warmup)
+    assert not cfg.whiten_advantages and cfg.clip_reward_value == 5  # DeepSpeed-Chat's
     assert (cfg.ppo_epochs, cfg.generation_batches) == (1, 1)
     assert (cfg.cliprange, cfg.lam, cfg.gamma) == (0.2, 0.95, 1.0)
     assert (cfg.temperature, cfg.top_k, cfg.top_p) == ((1.0, 5, 1.0) if code else (0.8, 50, 1.0))
@@ -509,12 +511,17 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert rm.model_name_or_path == f"./output/{root}/step1"
     rm_embedded, cfg = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, MODEL_PATH="")
     assert "--model_name_or_path" not in rm_embedded.flags and cfg.model_name_or_path == ""
+    # the tiny reward model adds the likelihood term (at a gentler learning rate); LIKELIHOOD_TERM=0 drops it
+    assert (rm.likelihood_term, rm.learning_rate) == (True, 1e-4)
+    _, plain = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_TERM="0")
+    assert (plain.likelihood_term, plain.learning_rate) == (False, 5e-4)
     # step 3: the step-1/2 outputs, short prompts and answers, 16 prompts per PPO step
     assert (ppo.actor_model_name_or_path, ppo.critic_model_name_or_path) == \
         (f"./output/{root}/step1", f"./output/{root}/step2")
     assert (ppo.max_prompt_seq_len, ppo.max_answer_seq_len) == (192, 64)
     assert ppo_batches(ppo, ranks) == (16, 16)
     assert (ppo.termination_condition, ppo.ngram_n, ppo.max_steps > 0) == ("fixed", 5, True)
+    assert ppo.whiten_advantages and ppo.clip_reward_value == 100  # the tiny reward model's scores are ~ -8
     zero = 0 if ranks == 1 else 2
     assert (sft.zero_stage, rm.zero_stage, ppo.actor_zero_stage, ppo.critic_zero_stage) == (zero,) * 4
 

@@ -6,7 +6,7 @@ launch for both keeps the file's time down — and the reward model under ZeRO-3
 same seed, data and global batch (2 ranks x 4), so they must agree with each other, and every exported
 model must reproduce the evaluation the run logged at its last step.
 
-Master ports 29641-29644 are reserved for this file (29621 is test_step3's).  On a fresh machine the
+Master ports 29641-29645 are reserved for this file (29621 is test_step3's).  On a fresh machine the
 offload run first compiles DeepSpeed's cpu_adam op (~1 min, cached under ~/.cache/torch_extensions).
 """
 
@@ -260,6 +260,37 @@ def test_reward_model_two_ranks_zero3(work, embedded):
         for item in eval_items(work, RewardArgs, 2):
             chosen.append(model(input_ids=torch.tensor([item["chosen_ids"]])).logits.item())
             rejected.append(model(input_ids=torch.tensor([item["rejected_ids"]])).logits.item())
+    chosen, rejected = torch.tensor(chosen), torch.tensor(rejected)
+    assert chosen.mean().item() == pytest.approx(logged["eval/chosen_score"], abs=1e-4)
+    assert rejected.mean().item() == pytest.approx(logged["eval/rejected_score"], abs=1e-4)
+    assert (chosen > rejected).float().mean().item() == pytest.approx(logged["eval/accuracy"], abs=1e-6)
+
+
+def test_reward_model_with_likelihood_term_two_ranks_zero3(work, embedded):
+    """--likelihood_term under ZeRO-3 on two ranks: the term's head and α are partitioned, trained and gathered
+    into the export, and the folder loaded back with its term reproduces the scores the ranks logged."""
+    from marlhf.config import RewardArgs
+    from marlhf.models.loading import load_reward_model, load_tokenizer, sequence_scores
+
+    out = work / "rm_ll_zero3"
+    run_launcher([*deepspeed_cmd(2, 29645), str(STEP2), *run_argv(work, "rm_ll_zero3", "--zero_stage", "3",
+                                                                  "--likelihood_term", "--learning_rate", "1e-4")],
+                 timeout=300)
+    saved = load_file(out / "model.safetensors")
+    start = load_file(Path(embedded.model_dir) / "model.safetensors")["lm_head.weight"]
+    head = saved["likelihood.lm_head.weight"]
+    assert head.shape[1] == start.shape[1] and head.shape[0] >= start.shape[0]
+    assert not torch.equal(head[:start.shape[0]], start)  # trained from the LM head it started as
+    assert saved["likelihood.scale"].item() != 1.0
+    model = load_reward_model(str(out), load_tokenizer(str(out))).eval()
+    logged = final_eval(out)
+    chosen, rejected = [], []
+    with torch.no_grad():
+        for item in eval_items(work, RewardArgs, 2):
+            for ids, first, scores in ((item["chosen_ids"], item["chosen_start"], chosen),
+                                       (item["rejected_ids"], item["rejected_start"], rejected)):
+                ids = torch.tensor([ids])
+                scores.append(sequence_scores(model, ids, torch.ones_like(ids), torch.tensor([first])).item())
     chosen, rejected = torch.tensor(chosen), torch.tensor(rejected)
     assert chosen.mean().item() == pytest.approx(logged["eval/chosen_score"], abs=1e-4)
     assert rejected.mean().item() == pytest.approx(logged["eval/rejected_score"], abs=1e-4)

@@ -144,8 +144,11 @@ def test_reward_phase_needs_pairs():
 
 
 def test_pair_and_prompt_collators_pad_on_the_right_side():
-    pairs = PairCollator(0)([{"chosen_ids": [5, 6, 7], "rejected_ids": [5]}])
-    assert pairs["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
+    pairs = PairCollator(0)([{"chosen_ids": [5, 6, 7], "rejected_ids": [5, 8], "chosen_start": 1, "rejected_start": 1},
+                             {"chosen_ids": [4, 9], "rejected_ids": [4, 4, 3, 2], "chosen_start": 2,
+                              "rejected_start": 3}])
+    assert pairs["input_ids"].tolist() == [[5, 6, 7, 0], [4, 9, 0, 0], [5, 8, 0, 0], [4, 4, 3, 2]]
+    assert pairs["response_start"].tolist() == [1, 2, 1, 3]  # chosen rows first, as the sequences
     prompts = PromptCollator(0)([{"prompt_ids": [4, 5]}, {"prompt_ids": [9]}])
     assert prompts["prompt_ids"].tolist() == [[4, 5], [0, 9]]
     assert prompts["prompt_mask"].tolist() == [[1, 1], [0, 1]]

@@ -186,6 +186,43 @@ def test_reward_model_loads_as_sequence_classifier(reward_run):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_reward_model_with_likelihood_term(sft_run, tmp_path):
+    """--likelihood_term: the exported folder scores prompt + answer as its score head plus α times the answer's
+    log-likelihood under its next-token head; α is learnt; inference/export.py keeps the term."""
+    from marlhf.eval.reward import LikelihoodScorer, Scorer, _items
+
+    out = tmp_path / "rm"
+    load_main(STEP2)([*COMMON, "--model_name_or_path", str(sft_run), "--output_dir", str(out),
+                      "--data_output_path", str(tmp_path / "data"), "--learning_rate", "1e-4", "--max_steps", "20",
+                      "--max_eval_samples", "64", "--eval_interval", "20", "--num_warmup_steps", "2",
+                      "--likelihood_term"])
+    evals = [m for m in read_metrics(out) if "eval/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 20]
+    config = json.loads((out / "config.json").read_text())
+    assert config["likelihood_term"] is True
+    rm = Scorer(str(out))
+    assert rm.model.likelihood.scale.item() != 1.0  # α is learnt
+    # the exported model's score = its head + α · Σ log p under its own next-token head: the head alone and
+    # the likelihood under a causal LM with the term's head, from the folder's weights
+    prompts, answers = ["TL;DR: I got a dog.", "TL;DR: We tried a crate."], [" A dog.", " It did not help."]
+    got = rm(prompts, answers)
+    lm = LikelihoodScorer(str(sft_run))
+    with torch.no_grad():
+        lm.model.model.load_state_dict(rm.model.model.state_dict())
+        lm.model.lm_head.weight.copy_(rm.model.likelihood.lm_head.weight)
+    items = _items(rm.tok, prompts, answers, eot=rm.eot, prompt_format=rm.format.prompt_format, max_seq_len=1024)
+    with torch.no_grad():
+        heads = [rm.model(input_ids=torch.tensor([x["input_ids"]])).logits[0, 0].item() for x in items]
+    alpha = rm.model.likelihood.scale.item()
+    assert got == pytest.approx([h + alpha * ll for h, ll in zip(heads, lm(prompts, answers))], abs=1e-4)
+    # inference/export.py keeps the term (and says so on the model card)
+    from conftest import REPO
+
+    load_main(REPO / "inference/export.py")(["--input", str(out), "--output_dir", str(tmp_path / "release")])
+    assert Scorer(str(tmp_path / "release"))(prompts, answers) == pytest.approx(got, abs=1e-5)
+    assert "--likelihood_term" in (tmp_path / "release" / "README.md").read_text()
+
+
 def test_bf16_with_linear_warmup_schedule(embedded, tmp_path):
     """bf16 under DeepSpeed on CPU; the logged learning rates follow linear warmup (ratio 0.5 of 4 steps
     = 2 warmup steps) then linear decay: 0.5, 1.0, 0.5, 0.0 times the peak."""

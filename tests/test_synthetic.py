@@ -380,3 +380,32 @@ def test_jsonl_round_trip_and_errors(tmp_path):
     path.write_text("[1, 2]\n", encoding="utf-8")
     with pytest.raises(DataError, match="row 1"):
         read_jsonl(path)
+
+
+def test_bench_reward_model_settings_carry_flags_and_launch_overrides(monkeypatch, tmp_path):
+    """A setting's --flag=value items reach main.py through EXTRA_ARGS, its VAR=value items the launch
+    script's environment (LIKELIHOOD_TERM=0: the score head alone); anything else is refused."""
+    import importlib.util
+    import subprocess
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_reward_model", REPO / "scripts/bench_reward_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    name, flags = bench.parse_setting("plain:LIKELIHOOD_TERM=0 --learning_rate=5e-4")
+    assert (name, flags) == ("plain", ["LIKELIHOOD_TERM=0", "--learning_rate=5e-4"])
+    for bad in ("x:--likelihood_term", "x:lower=1", "x:5e-4"):
+        with pytest.raises(SystemExit, match="--flag=value or VAR=value"):
+            bench.parse_setting(bad)
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen.update(env)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="step 2 failed"):
+        bench.run_one("sft", "", flags, 3, tmp_path)
+    assert seen["LIKELIHOOD_TERM"] == "0" and seen["MODEL_PATH"] == "sft"
+    assert seen["EXTRA_ARGS"] == "--seed=3 --learning_rate=5e-4"

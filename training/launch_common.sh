@@ -43,7 +43,10 @@ TOP_K=50
 LR_SCHEDULE=cosine         # --lr_scheduler_type of every step (Table 5: cosine)
 PRINT_INTERVAL=50          # step 3: PPO steps between printed sample answers
 PPO_TASK_ARGS=()           # step 3: the task's own flags (code: see code_reward)
+LIKELIHOOD_TERM=0          # step 2: 1 = --likelihood_term (the score adds α·Σ log p(answer))
 ADV_ESTIMATOR=""           # step 3: --advantage_estimator; "" = main.py's gae (MA-PPO with a critic)
+WHITEN_ADVANTAGES=0        # step 3: 1 = --whiten_advantages
+CLIP_REWARD=""             # step 3: --clip_reward_value; "" = main.py's (DeepSpeed-Chat's 5)
 SAMPLES_PER_PROMPT=1       # step 3: answers per prompt (K of RLOO / GRPO); PPO_BATCH counts answers
 DEVICE=GPU                 # what one rank is called in error messages
 
@@ -219,6 +222,8 @@ ppo_flags() {
             --termination_condition "${TERMINATION:-fixed}" --ngram "${NGRAM:-5}" --value_function equal
             "${PPO_TASK_ARGS[@]}")
     if [[ -n "$ADV_ESTIMATOR" ]]; then FLAGS+=(--advantage_estimator "$ADV_ESTIMATOR"); fi
+    if (( WHITEN_ADVANTAGES )); then FLAGS+=(--whiten_advantages); fi
+    if [[ -n "$CLIP_REWARD" ]]; then FLAGS+=(--clip_reward_value "$CLIP_REWARD"); fi
     if (( SAMPLES_PER_PROMPT > 1 )); then FLAGS+=(--num_samples_per_prompt "$SAMPLES_PER_PROMPT"); fi
     FLAGS+=(--actor_zero_stage "$ACTOR_ZERO_STAGE" --critic_zero_stage "$CRITIC_ZERO_STAGE")
     # a model that needs parameter offload does not fit whole on one GPU: fetch ZeRO-3 layers per token
@@ -264,7 +269,8 @@ run_step() {
     case "$1" in
         1|2) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
              dir=${STEP_DIRS[$1]}
-             supervised_flags ;;
+             supervised_flags
+             if [[ "$1" == 2 ]] && (( LIKELIHOOD_TERM )); then FLAGS+=(--likelihood_term); fi ;;
         dpo) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
              dpo_flags ;;
         3)   GEN_BATCHES=${GENERATION_BATCHES:-1}

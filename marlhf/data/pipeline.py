@@ -281,14 +281,16 @@ class SFTCollator:
 
 
 class PairCollator:
-    """Chosen sequences stacked over rejected ones: rows [0, B) chosen, [B, 2B) rejected."""
+    """Chosen sequences stacked over rejected ones: rows [0, B) chosen, [B, 2B) rejected; ``response_start``
+    is each row's first answer column."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def __call__(self, batch: list[dict]) -> dict:
         ids, mask = _pad([b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch], self.pad_id)
-        return {"input_ids": ids, "attention_mask": mask}
+        start = torch.tensor([b["chosen_start"] for b in batch] + [b["rejected_start"] for b in batch])
+        return {"input_ids": ids, "attention_mask": mask, "response_start": start}
 
 
 class PromptCollator:

@@ -12,7 +12,7 @@ import torch
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import SFTCollator, _pad, tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
-from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, load_value_model, sequence_scores
+from marlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer_and_format, sequence_scores
 
 
 class Scorer:
@@ -21,7 +21,7 @@ class Scorer:
 
     @staticmethod
     def load(path: str, tokenizer):
-        return load_value_model(path, tokenizer)
+        return load_reward_model(path, tokenizer)
 
     def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
         self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
@@ -79,8 +79,10 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, e
     device = next(iter(model.parameters())).device
     out = []
     for i in range(0, len(items), batch_size):
-        ids, mask = _pad([x["input_ids"] for x in items[i:i + batch_size]], tokenizer.pad_token_id)
-        out += sequence_scores(model, ids.to(device), mask.to(device)).tolist()
+        batch = items[i:i + batch_size]
+        ids, mask = _pad([x["input_ids"] for x in batch], tokenizer.pad_token_id)
+        start = torch.tensor([x["response_start"] for x in batch], device=device)
+        out += sequence_scores(model, ids.to(device), mask.to(device), start).tolist()
     return out
 
 

@@ -4,6 +4,11 @@ The reward model and critic are ``AutoModelForSequenceClassification`` with one 
 plus a scalar ``score`` head.  Plain transformers loads our step-2 output as a reward model (it scores the
 last non-pad token, as we do); :func:`token_values` runs the same head on every position, which is what
 the critic needs in step 3.
+
+A reward model may also carry a :class:`LikelihoodTerm` (step 2's ``--likelihood_term``): α times the
+answer's log-probability under a next-token head over the same hidden states, added to the head's value.
+Plain transformers loads such a folder without the term (its weights are extra keys); :func:`load_reward_model`
+loads both.
 """
 
 from __future__ import annotations
@@ -158,6 +163,99 @@ def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: 
     return model
 
 
+def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
+                      likelihood_term: bool = False):
+    """A reward model: :func:`load_value_model`, plus the folder's :class:`LikelihoodTerm` when it has one.
+
+    ``likelihood_term`` adds a fresh term to a model that has none (step 2 from an SFT model): its next-token
+    head starts as the folder's LM head (or the input embeddings, when the model ties them) and α as 1, so
+    the untrained reward model already ranks answers by how likely the SFT model finds them."""
+    path = resolve_model_path(path)
+    model = load_value_model(path, tokenizer, dropout, dtype)
+    has_term = bool(getattr(model.config, "likelihood_term", False))
+    if not (has_term or likelihood_term):
+        return model
+    attach_likelihood_term(model)
+    if has_term:
+        weights = _folder_tensors(path, ("likelihood.lm_head.weight", "likelihood.scale"))
+        head, scale = weights["likelihood.lm_head.weight"], weights["likelihood.scale"]
+    else:
+        head = _folder_tensors(path, ("lm_head.weight",), required=False).get("lm_head.weight")
+        if head is None:
+            if not getattr(model.config, "tie_word_embeddings", False):
+                raise ValueError(f"{path}: no lm_head.weight to start the likelihood term from (is it a causal LM?)")
+            head = model.get_input_embeddings().weight.detach()
+        scale = torch.tensor(1.0)
+    vocab = model.likelihood.lm_head.weight.shape[0]
+    if head.shape[0] < vocab:  # the tokenizer gained tokens (_fit_vocab): they start at the mean row
+        head = torch.cat([head, head.float().mean(0, keepdim=True).to(head.dtype).expand(vocab - head.shape[0], -1)])
+    with torch.no_grad():
+        model.likelihood.lm_head.weight.copy_(head[:vocab])
+        model.likelihood.scale.copy_(scale)
+    model.likelihood.to(model.score.weight.dtype)
+    return model
+
+
+class LikelihoodTerm(nn.Module):
+    """α · Σ log p(answer token | what precedes it), from a next-token head over the reward model's hidden states.
+
+    A score head reading the last position does not learn from a few thousand pairs whether each answer token
+    was to be expected — a fact replaced by another of its kind reads as fluently as the right one; the SFT
+    model's next-token head knows (it learnt to copy facts from the prompt).  Step 2 trains the head and α with
+    the rest of the model under the pairwise loss."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))  # 1-d: DeepSpeed broadcasts parameters as bytes
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                response_start: torch.Tensor) -> torch.Tensor:
+        """(B, T): α times the answer's log-probability up to and including each position (0 before the answer).
+        ``response_start`` (B,): the column of each row's first answer token."""
+        logp = torch.log_softmax(self.lm_head(hidden[:, :-1]).float(), dim=-1)
+        logp = logp.gather(2, input_ids[:, 1:, None]).squeeze(2)  # column t: log p(token t+1)
+        column = torch.arange(1, input_ids.shape[1], device=input_ids.device)[None]
+        answer = (column >= response_start[:, None]) & attention_mask[:, 1:].bool()
+        cumulative = torch.nn.functional.pad((logp * answer).cumsum(1), (1, 0))
+        return self.scale.float() * cumulative
+
+
+def attach_likelihood_term(model: nn.Module) -> None:
+    """Give a value model an (uninitialised) :class:`LikelihoodTerm` and mark its config, so that an export
+    writes the term and :func:`load_reward_model` reads it back."""
+    model.likelihood = LikelihoodTerm(model.score.in_features, model.get_input_embeddings().weight.shape[0])
+    model.config.likelihood_term = True
+
+
+def _folder_tensors(path: str, names: tuple[str, ...], required: bool = True) -> dict[str, torch.Tensor]:
+    """Named tensors of a Hugging Face folder's safetensors weights (one file or shards with an index)."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        weight_map = json.loads(index.read_text())["weight_map"]
+        where = {n: folder / weight_map[n] for n in names if n in weight_map}
+    elif (folder / "model.safetensors").is_file():
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            stored = set(f.keys())
+        where = {n: folder / "model.safetensors" for n in names if n in stored}
+    else:
+        raise ValueError(f"{path}: no model.safetensors (or its index) to read {', '.join(names)} from")
+    missing = [n for n in names if n not in where]
+    if missing and required:
+        raise ValueError(f"{path}: its weights lack {', '.join(missing)} (the config says the reward model has a "
+                         f"likelihood term; was the folder written by step 2 with --likelihood_term?)")
+    out = {}
+    for name, file in where.items():
+        with safe_open(file, framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside DeepSpeed / peft wrappers."""
     while True:
@@ -174,13 +272,24 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar head on every position: (B, T) values (the critic) / per-token rewards."""
+def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 response_start: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Scalar head on every position: (B, T) values (the critic) / per-token rewards.  A reward model with a
+    :class:`LikelihoodTerm` adds it, which needs ``response_start``: each row's first answer column (B,), or
+    one column for all rows (left-padded prompts)."""
     inner = _unwrap(model)
     base = getattr(inner, inner.base_model_prefix)
     hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                   position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-    return inner.score(hidden).squeeze(-1).float()  # (B, T)
+    values = inner.score(hidden).squeeze(-1).float()  # (B, T)
+    term = getattr(inner, "likelihood", None)
+    if term is None:
+        return values
+    if response_start is None:
+        raise ValueError("this reward model has a likelihood term: scoring needs where each answer starts")
+    if not torch.is_tensor(response_start):
+        response_start = torch.full((input_ids.shape[0],), int(response_start), device=input_ids.device)
+    return values + term(hidden, input_ids, attention_mask, response_start.to(input_ids.device))
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -189,9 +298,10 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (positions * attention_mask.long()).argmax(dim=1)
 
 
-def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    response_start: torch.Tensor | int | None = None) -> torch.Tensor:
     """Reward-model score of each sequence: the head's value at its last real token.  (B,)"""
-    values = token_values(model, input_ids, attention_mask)
+    values = token_values(model, input_ids, attention_mask, response_start)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx[:, None]).squeeze(1)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from marlhf.errors import ConfigError, PlatformError
-from marlhf.models.loading import apply_lora, load_causal_lm, load_value_model, resolve_model_path
+from marlhf.models.loading import apply_lora, load_causal_lm, load_reward_model, load_value_model, resolve_model_path
 from marlhf.rlhf.estimators import needs_critic
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_args, frozen_engine
@@ -133,7 +133,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
                                            end_of_conversation_token=args.end_of_conversation_token),
                             zero_stage=args.actor_zero_stage,
                             offload=args.offload_reference_model, dtype=args.dtype)
-    # critic: the reward model as initial value function, trained (macro GAE only)
+    # critic: the reward model as initial value function, trained (macro GAE only); its score head only, not a
+    # likelihood term the reward model may have (values are read from where no answer has started)
     critic = None
     if needs_critic(args.advantage_estimator):
         critic = load_value_model(critic_path, tokenizer, args.critic_dropout)
@@ -144,7 +145,7 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     # reward: frozen scorer (only when the reward source is the reward model)
     reward = None
     if reward_path is not None:
-        reward = frozen_engine(load_value_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
+        reward = frozen_engine(load_reward_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
                                offload=args.offload_reference_model, dtype=args.dtype)
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
              args.actor_zero_stage,

@@ -15,6 +15,7 @@ with the critic (:func:`macro_advantages`); rloo / grpo / reinforce are the crit
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -27,6 +28,9 @@ from marlhf.rlhf.estimators import critic_free_advantages, groups
 from marlhf.rlhf.macro import num_macros
 from marlhf.rlhf.ppo_math import compute_advantages, token_rewards, whiten
 from marlhf.utils.timing import NO_TIMER
+
+log = logging.getLogger("marlhf")
+_warned_clip = False
 
 
 @dataclass
@@ -157,6 +161,20 @@ def sequence_advantages(segmenter, answer: torch.Tensor, mask: torch.Tensor, val
     return seg, advantages, torch.where(mask, R[:, None], 0.0), stats, fallbacks
 
 
+def clipped_share(scores: torch.Tensor, clip: float | None) -> float:
+    """Share of the scores outside ±``clip`` (their rewards are flattened to the bound); 0 without a clip."""
+    return 0.0 if clip is None else (scores.abs() > clip).float().mean().item()
+
+
+def _warn_if_flattened(share: float, clip: float | None) -> None:
+    global _warned_clip
+    if share > 0.5 and not _warned_clip:
+        _warned_clip = True
+        log.warning("%.0f%% of a batch's scores lie outside ±%g (--clip_reward_value): their rewards are all the "
+                    "bound, so the reward source barely steers the policy; a reward model with --likelihood_term "
+                    "scores far from 0 and needs a wider clip (train/clipped_scores logs the share)", 100 * share, clip)
+
+
 @torch.no_grad()
 def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor], segmenter,
                     gen_cfg: GenerationConfig, settings: RolloutSettings, prompt_ids: torch.Tensor,
@@ -202,7 +220,10 @@ def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor]
                      scores, rewards, seg, advantages, returns)
     kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
     n_valid = valid.sum().clamp(min=1)
+    clipped = clipped_share(scores, settings.clip_reward_value)
+    _warn_if_flattened(clipped, settings.clip_reward_value)
     stats = {"reward": scores.mean().item(),
+             "clipped_scores": clipped,
              "reward_valid": (scores * valid).sum().item() / n_valid.item(),
              "kl": (kl.sum() / n_valid).item(),
              "return": returns[:, 0].mean().item() if returns.shape[1] else 0.0,

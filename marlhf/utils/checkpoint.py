@@ -203,6 +203,10 @@ def _rebuild(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) ->
     base = module.get_base_model() if is_peft else module
     with torch.device("meta"):
         fresh = type(base)(base.config)
+        if getattr(base, "likelihood", None) is not None:  # a reward model's likelihood term
+            from marlhf.models.loading import attach_likelihood_term
+
+            attach_likelihood_term(fresh)
     if is_peft:
         from peft import get_peft_model
 

@@ -145,6 +145,11 @@ def render_model_card(src: StepOutput, args: dict, metrics: dict[str, tuple[int,
     lines += ["", "## Use", "", "```python", f"from transformers import {cls}, AutoTokenizer", "",
               "tok = AutoTokenizer.from_pretrained(PATH)",
               f"model = {cls}.from_pretrained(PATH)  # generation stops at the recorded end token", "```", ""]
+    if src.role == "reward model" and args.get("likelihood_term"):
+        lines += ["This reward model was trained with `--likelihood_term`: its score adds α · Σ log p(answer token) "
+                  "under a next-token head stored beside the score head (`likelihood.*` weights).  Plain "
+                  "transformers loads the score head alone; `marlhf.models.loading.load_reward_model(PATH, tok)` "
+                  "loads both, as step 3 and the evaluation tools do.", ""]
     return "\n".join(lines)
 
 
@@ -154,6 +159,10 @@ def _load(src: StepOutput, base_model: str, tok, dtype):
     is_value = src.role in ("reward model", "critic")
     cls = AutoModelForSequenceClassification if is_value else AutoModelForCausalLM
     if not src.adapter_only:
+        if is_value and json.loads((src.model_dir / "config.json").read_text()).get("likelihood_term"):
+            from marlhf.models.loading import load_reward_model
+
+            return load_reward_model(str(src.model_dir), tok, dtype=dtype)  # with its likelihood term
         return cls.from_pretrained(src.model_dir, dtype=dtype)
     from peft import PeftModel
 
@@ -232,7 +241,13 @@ def checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
 def _model_from_checkpoint(src: StepOutput, base_model: str):
     """(model with the checkpoint's weights, LoRA merged; tokenizer; format), rebuilt as the run built it from
     its recorded flags (args.json): base model, end token, prompt format, added tokens, LoRA."""
-    from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer_and_format, load_value_model
+    from marlhf.models.loading import (
+        apply_lora,
+        attach_likelihood_term,
+        load_causal_lm,
+        load_tokenizer_and_format,
+        load_value_model,
+    )
 
     args = _read_args(src.run_dir)
     if not args and not base_model:
@@ -253,6 +268,8 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
                                          add_eot_token=bool(args.get("add_eot_token", False)))
     if is_value:
         model = load_value_model(base, tok)
+        if any(k.startswith("likelihood.") for k in state):  # step 2 with --likelihood_term
+            attach_likelihood_term(model)
     else:
         model = load_causal_lm(base, tok, end_of_conversation_token=fmt.end_of_conversation_token)
     if src.step == 3 and src.role == "critic":

@@ -4,7 +4,9 @@
     deepspeed training/step2_reward_model_finetuning/main.py --model_name_or_path out/sft --output_dir out/rm
 
 The result loads in plain transformers as AutoModelForSequenceClassification (score at the last real
-token) and, in step 3, as both the critic and the reward model.
+token) and, in step 3, as both the critic and the reward model.  With --likelihood_term the score adds
+α · Σ log p(answer) under a next-token head started from the SFT model's (marlhf.models.loading.LikelihoodTerm);
+plain transformers then loads the score head only, load_reward_model both.
 """
 
 import sys
@@ -12,7 +14,7 @@ import sys
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_value_model, run_tokenizer
+from marlhf.models.loading import apply_lora, load_reward_model, run_tokenizer
 from marlhf.supervised import reward_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -24,8 +26,8 @@ def main(argv=None):
     # 1. tokenizer and the reward-model share of the data: (chosen, rejected) pairs
     tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=2)
-    # 2. base model + fresh scalar head (or a step-2 model to continue)
-    model = load_value_model(args.model_name_or_path, tokenizer, args.dropout)
+    # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
+    model = load_reward_model(args.model_name_or_path, tokenizer, args.dropout, likelihood_term=args.likelihood_term)
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
     # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)

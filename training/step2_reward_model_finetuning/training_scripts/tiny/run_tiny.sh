@@ -5,7 +5,7 @@
 #
 # As in the paper (B.2) the reward model starts from the SFT model: run step 1's run_tiny.sh first,
 # or set MODEL_PATH= (empty) to start from the embedded tiny model.  --data_path synthetic is the
-# project's miniature TL;DR task, its pairs labelled by the task's gold scorer with Bradley-Terry noise.
+# project's miniature TL;DR task, its pairs labelled by the task's gold scorer (labels flipped at rate 0.1).
 # `deepspeed --num_gpus N` on a machine without GPUs starts N CPU ranks over gloo.
 #
 # Environment overrides:
@@ -14,9 +14,12 @@
 #   TASK              synthetic (the only task of the tiny scripts; point DATA_PATH elsewhere instead)
 #   NUM_GPUS          ranks per node (default 1)
 #   PER_DEVICE_BATCH  pairs per rank per micro-batch (default 8); accumulation keeps the global batch 16
+#   LIKELIHOOD_TERM   1 (default) adds α·Σ log p(answer) under the SFT model's next-token head to the score
+#                     (--likelihood_term); 0 = the score head alone, DeepSpeed-Chat's reward model
 #   and those of every script (HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
 #   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
+likelihood_term=${LIKELIHOOD_TERM:-1}  # read before the common file resets the knobs
 # shellcheck source=SCRIPTDIR/../../../launch_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
@@ -26,11 +29,14 @@ ZERO_STAGE=${2:-0}
 MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded model
 
 # Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64), two epochs (200
-# steps, ~2 min) over the reward-model share (4 of 2,4,4) of the synthetic pairs, evaluation on 256 of
-# them (label noise 0.1 caps the accuracy near 0.9).
+# steps, 2-4 min) over the reward-model share (4 of 2,4,4) of the synthetic pairs, evaluation on 256 of
+# them (label noise 0.1 caps the accuracy near 0.9).  The score head alone learns changes of shape (a
+# dropped fact, sentence order) but not a fact replaced by another of its kind; the likelihood term sees
+# those, and with it a gentler learning rate keeps what the SFT model's next-token head knows.
 GLOBAL_BATCH=16
 EPOCHS=2
-LR=5e-4
+LIKELIHOOD_TERM=$likelihood_term
+if (( LIKELIHOOD_TERM )); then LR=1e-4; else LR=5e-4; fi
 MAX_EVAL_SAMPLES=256
 
 # Global batch = per-device batch x gradient accumulation x ranks: 16 = 8 x 2 x 1.
