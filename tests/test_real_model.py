@@ -215,20 +215,18 @@ def test_missing_package_is_a_clear_error_naming_the_install_command(monkeypatch
 
 
 def test_likelihood_term_on_a_tied_real_model(runs, prompt_format, tmp_path):
-    """--likelihood_term on SmolLM2 (input and output embeddings tied, a chat template, <|im_end|> closing the
-    answer): the term's head is taken from the tied embeddings, and the exported reward model scores an HH record
-    as its score head plus α · Σ log p of the answer tokens (the end token included) under that head."""
+    """--likelihood_term on SmolLM2 (input and output embeddings tied, <|im_end|> closing the answer, in both
+    prompt formats): the term's head is taken from the tied embeddings, and the exported reward model scores
+    an HH record as its score head plus α · Σ log p of the answer tokens (the end token included) under it."""
     from marlhf.eval.reward import LikelihoodScorer, Scorer, _items
 
-    if prompt_format != "chat_template":
-        pytest.skip("one format is enough: the term reads the tokens the format produced")
     out = tmp_path / "rm"
     load_main(STEP2)([*SUPERVISED, "--data_output_path", str(tmp_path / "data"), "--max_steps", "1",
                       "--model_name_or_path", str(runs / "sft"), "--output_dir", str(out), "--likelihood_term"])
     rm = Scorer(str(out))
-    assert rm.model.config.tie_word_embeddings and rm.format.prompt_format == "chat_template"
+    assert rm.model.config.tie_word_embeddings and rm.format.prompt_format == prompt_format
     prompts, answers = ["\n\nHuman: Say hi.\n\nAssistant:"], [" Hi!"]
-    items = _items(rm.tok, prompts, answers, eot=rm.eot, prompt_format="chat_template", max_seq_len=128)
+    items = _items(rm.tok, prompts, answers, eot=rm.eot, prompt_format=prompt_format, max_seq_len=128)
     assert items[0]["input_ids"][-1] == IM_END
     lm = LikelihoodScorer(str(runs / "sft"))
     with torch.no_grad():
