@@ -136,6 +136,39 @@ def test_export_keeps_the_term_and_plain_transformers_loads_the_head(nano, tmp_p
                               atol=1e-5)
 
 
+def test_loading_the_term_reports_no_unexpected_keys_and_leaves_transformers_as_it_was(nano, tmp_path):
+    """transformers' load report would list the term's weights as UNEXPECTED on every load of such a reward
+    model; ours loads them itself and says nothing, while plain transformers still reports them."""
+    import logging
+
+    import transformers
+    from transformers import AutoModelForSequenceClassification
+
+    from marlhf.utils.checkpoint import export_hf
+
+    folder, tok, model = nano
+    export_hf(model, tok, tmp_path / "rm")
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    keep, logger, level = Keep(), logging.getLogger("transformers"), transformers.logging.get_verbosity()
+    logger.addHandler(keep)
+    transformers.logging.set_verbosity_warning()
+    try:
+        load_reward_model(str(tmp_path / "rm"), tok)
+        ours = list(messages)
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+        theirs = messages[len(ours):]
+    finally:
+        logger.removeHandler(keep)
+        transformers.logging.set_verbosity(level)
+    assert not any("likelihood" in m for m in ours), ours
+    assert any("likelihood.lm_head.weight" in m and "UNEXPECTED" in m for m in theirs), theirs
+
+
 def test_a_folder_claiming_a_term_without_its_weights_is_named(nano, tmp_path):
     folder, tok, _ = nano
     plain = load_value_model(folder, tok)

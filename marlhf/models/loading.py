@@ -13,6 +13,7 @@ loads both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 log = logging.getLogger("marlhf")
 
@@ -152,12 +154,40 @@ def stop_token_ids(tokenizer, end_of_conversation_token: str = "") -> list[int]:
     return ids
 
 
+_LIKELIHOOD_KEYS = r"^likelihood\."
+
+
+@contextlib.contextmanager
+def _expected_unexpected_keys(cfg, pattern: str | None):
+    """While loading, transformers' load report leaves out keys matching ``pattern`` (a regex) — the weights
+    of a reward model's likelihood term, which :func:`load_reward_model` loads after ``from_pretrained``, and
+    which the report would otherwise list as UNEXPECTED on every load.  A class transformers does not map
+    (remote code) keeps its full report."""
+    cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(cfg), None) if pattern else None
+    if cls is None:
+        yield
+        return
+    attr = "_keys_to_ignore_on_load_unexpected"
+    had, saved = attr in cls.__dict__, cls.__dict__.get(attr)
+    setattr(cls, attr, [*(getattr(cls, attr) or []), pattern])
+    try:
+        yield
+    finally:
+        if had:
+            setattr(cls, attr, saved)
+        else:
+            delattr(cls, attr)
+
+
 def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32):
     """A reward model / critic: base LM + scalar head (freshly initialised when ``path`` is a causal LM)."""
     path = resolve_model_path(path)
     cfg = _config(path, dropout, num_labels=1)
     cfg.pad_token_id = tokenizer.pad_token_id
-    model = AutoModelForSequenceClassification.from_pretrained(path, config=cfg, dtype=dtype)
+    # a likelihood term's weights are extra keys to transformers; load_reward_model reads them itself
+    extra = _LIKELIHOOD_KEYS if getattr(cfg, "likelihood_term", False) else None
+    with _expected_unexpected_keys(cfg, extra):
+        model = AutoModelForSequenceClassification.from_pretrained(path, config=cfg, dtype=dtype)
     _fit_vocab(model, tokenizer)
     model.config.use_cache = False
     return model
@@ -213,11 +243,14 @@ class LikelihoodTerm(nn.Module):
                 response_start: torch.Tensor) -> torch.Tensor:
         """(B, T): α times the answer's log-probability up to and including each position (0 before the answer).
         ``response_start`` (B,): the column of each row's first answer token."""
-        logp = torch.log_softmax(self.lm_head(hidden[:, :-1]).float(), dim=-1)
-        logp = logp.gather(2, input_ids[:, 1:, None]).squeeze(2)  # column t: log p(token t+1)
-        column = torch.arange(1, input_ids.shape[1], device=input_ids.device)[None]
-        answer = (column >= response_start[:, None]) & attention_mask[:, 1:].bool()
-        cumulative = torch.nn.functional.pad((logp * answer).cumsum(1), (1, 0))
+        # only the columns that predict an answer token go through the vocabulary-wide projection: from the
+        # one before the earliest answer start (the prompt is most of a sequence)
+        first = max(int(response_start.min()) - 1, 0)
+        logp = torch.log_softmax(self.lm_head(hidden[:, first:-1]).float(), dim=-1)
+        logp = logp.gather(2, input_ids[:, first + 1:, None]).squeeze(2)  # column t: log p(token first + t + 1)
+        column = torch.arange(first + 1, input_ids.shape[1], device=input_ids.device)[None]
+        answer = (column >= response_start[:, None]) & attention_mask[:, first + 1:].bool()
+        cumulative = torch.nn.functional.pad((logp * answer).cumsum(1), (first + 1, 0))
         return self.scale.float() * cumulative
 
 
