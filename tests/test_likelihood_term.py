@@ -75,6 +75,12 @@ def test_score_is_head_plus_scaled_answer_log_probability_in_both_layouts(nano):
     for row, (p, a) in enumerate(pairs):
         assert term[row, :len(p)].abs().max() < 1e-5
         assert (term[row, len(p):len(p) + len(a)].diff() < 0).all()
+    # prompts alone (the answer would start past the last column, even well past it): no term, same shape
+    with torch.no_grad():
+        alone = token_values(model, p_ids, p_mask, p_ids.shape[1] + 3)
+        head = model.score(model.model(input_ids=p_ids, attention_mask=p_mask,
+                                       position_ids=(p_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state)
+    assert alone.shape == p_ids.shape and torch.allclose(alone, head.squeeze(-1), atol=1e-5)
 
 
 def test_term_starts_as_the_folders_lm_head(nano, tmp_path):

@@ -244,8 +244,8 @@ class LikelihoodTerm(nn.Module):
         """(B, T): α times the answer's log-probability up to and including each position (0 before the answer).
         ``response_start`` (B,): the column of each row's first answer token."""
         # only the columns that predict an answer token go through the vocabulary-wide projection: from the
-        # one before the earliest answer start (the prompt is most of a sequence)
-        first = max(int(response_start.min()) - 1, 0)
+        # one before the earliest answer start (the prompt is most of a sequence); none when no row has one
+        first = min(max(int(response_start.min()) - 1, 0), input_ids.shape[1] - 1)
         logp = torch.log_softmax(self.lm_head(hidden[:, first:-1]).float(), dim=-1)
         logp = logp.gather(2, input_ids[:, first + 1:, None]).squeeze(2)  # column t: log p(token first + t + 1)
         column = torch.arange(first + 1, input_ids.shape[1], device=input_ids.device)[None]
