@@ -165,7 +165,7 @@ class RewardArgs(SupervisedArgs):
                                 "the reward model's hidden states started from the SFT model's (α learnt, from 1): "
                                 "the head sees whether each answer token was to be expected, which a score head on "
                                 "the last token learns poorly (a replaced fact).  Costs one vocabulary-wide "
-                                "projection per token when scoring.")
+                                "projection per answer token when scoring.")
 
     def validate(self) -> None:
         super().validate()

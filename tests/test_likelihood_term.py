@@ -142,6 +142,18 @@ def test_export_keeps_the_term_and_plain_transformers_loads_the_head(nano, tmp_p
                               atol=1e-5)
 
 
+def test_the_term_loads_from_sharded_weights(nano, tmp_path):
+    """A large reward model is saved in shards with an index: the term's weights are found through it."""
+    folder, tok, model = nano
+    model.save_pretrained(tmp_path / "rm", max_shard_size="200KB")
+    tok.save_pretrained(tmp_path / "rm")
+    assert (tmp_path / "rm" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "rm").glob("model-*.safetensors"))) > 1
+    back = load_reward_model(str(tmp_path / "rm"), tok).eval()
+    assert torch.equal(back.likelihood.lm_head.weight, model.likelihood.lm_head.weight)
+    assert back.likelihood.scale.item() == pytest.approx(0.7)
+
+
 def test_loading_the_term_reports_no_unexpected_keys_and_leaves_transformers_as_it_was(nano, tmp_path):
     """transformers' load report would list the term's weights as UNEXPECTED on every load of such a reward
     model; ours loads them itself and says nothing, while plain transformers still reports them."""

@@ -271,21 +271,20 @@ def _folder_tensors(path: str, names: tuple[str, ...], required: bool = True) ->
         import json
 
         weight_map = json.loads(index.read_text())["weight_map"]
-        where = {n: folder / weight_map[n] for n in names if n in weight_map}
+        files = {folder / weight_map[n] for n in names if n in weight_map}
     elif (folder / "model.safetensors").is_file():
-        with safe_open(folder / "model.safetensors", framework="pt") as f:
-            stored = set(f.keys())
-        where = {n: folder / "model.safetensors" for n in names if n in stored}
+        files = {folder / "model.safetensors"}
     else:
         raise ValueError(f"{path}: no model.safetensors (or its index) to read {', '.join(names)} from")
-    missing = [n for n in names if n not in where]
+    out = {}
+    for file in files:  # each file opened once
+        with safe_open(file, framework="pt") as f:
+            stored = set(f.keys())
+            out.update({n: f.get_tensor(n) for n in names if n in stored})
+    missing = [n for n in names if n not in out]
     if missing and required:
         raise ValueError(f"{path}: its weights lack {', '.join(missing)} (the config says the reward model has a "
                          f"likelihood term; was the folder written by step 2 with --likelihood_term?)")
-    out = {}
-    for name, file in where.items():
-        with safe_open(file, framework="pt") as f:
-            out[name] = f.get_tensor(name)
     return out
 
 
@@ -333,7 +332,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     response_start: torch.Tensor | int | None = None) -> torch.Tensor:
-    """Reward-model score of each sequence: the head's value at its last real token.  (B,)"""
+    """Reward-model score of each sequence: the head's value at its last real token, plus the likelihood term
+    over the answer when the model has one (which needs ``response_start``, as :func:`token_values`).  (B,)"""
     values = token_values(model, input_ids, attention_mask, response_start)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx[:, None]).squeeze(1)
