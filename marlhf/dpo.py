@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from marlhf.data.pipeline import SFTCollator
+from marlhf.models.loading import first_labelled_column, next_token_logits
 from marlhf.rlhf.macro import check_choice
 from marlhf.supervised import Objective, pair_count
 from marlhf.utils.optim_step import all_reduce_sum
@@ -34,15 +35,14 @@ LOSSES = ("sigmoid", "ipo")
 # --------------------------------------------------------------------------------------------------------
 # pure maths
 # --------------------------------------------------------------------------------------------------------
-def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ_t log π(x_t | x_<t) over the tokens whose label is not -100 (the response; prompt and padding are
-    -100, as :class:`marlhf.data.pipeline.SFTCollator` writes them). logits (B, T, V), labels (B, T) → (B,)
-    in float32 (or wider). Position t-1's logits predict token t."""
-    logits = logits[:, :-1]  # (B, T-1, V)
-    target = labels[:, 1:]  # (B, T-1)
-    real = target != -100
+def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_t log π(x_t | x_<t) over the tokens whose target is not -100 (the response; prompt and padding are
+    -100, as :class:`marlhf.data.pipeline.SFTCollator` writes its labels).  logits (B, K, V) with column j
+    predicting targets[:, j] (B, K): the labels shifted by one, as :func:`next_token_logits` returns them.
+    → (B,) in float32 (or wider)."""
+    real = targets != -100
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    picked = logp.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1)  # (B, T-1)
+    picked = logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)  # (B, K)
     return torch.where(real, picked, 0.0).sum(dim=1)
 
 
@@ -90,10 +90,17 @@ class DPOCollator:
         return self.sft(rows)
 
 
+def labelled_logprobs(model, batch: dict) -> torch.Tensor:
+    """Σ log π of each row's labelled (response) tokens in an :class:`~marlhf.data.pipeline.SFTCollator`
+    batch: (B,).  Only the columns that predict a labelled token are projected (:func:`next_token_logits`)."""
+    start = first_labelled_column(batch["labels"])
+    logits = next_token_logits(model, batch["input_ids"], batch["attention_mask"], start)
+    return sequence_logprobs(logits, batch["labels"][:, start + 1:])
+
+
 def pair_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Response log-probs of the chosen and rejected halves of a :class:`DPOCollator` batch: (B,), (B,)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return sequence_logprobs(logits, batch["labels"]).chunk(2)
+    return labelled_logprobs(model, batch).chunk(2)
 
 
 def dpo_objective(pad_id: int, reference, beta: float, kind: str = "sigmoid"):

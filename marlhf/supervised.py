@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.models.loading import last_token_index, sequence_scores, token_values
+from marlhf.models.loading import (
+    first_labelled_column,
+    last_token_index,
+    next_token_logits,
+    sequence_scores,
+    token_values,
+)
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.ds_engine import engine_from_args
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
@@ -40,10 +46,21 @@ class Objective:
     count: Callable = None  # batch -> units the loss averages over (response tokens / pairs), see optim_step
 
 
+def answer_nll(model, batch: dict) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL of the labelled (response) tokens, and their count; only the columns that
+    predict one go through the vocabulary projection (:func:`next_token_logits`)."""
+    start = first_labelled_column(batch["labels"])
+    logits = next_token_logits(model, batch["input_ids"], batch["attention_mask"], start)
+    targets = batch["labels"][:, start + 1:]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="sum")
+    return nll, int((targets != -100).sum())
+
+
 def sft_loss(model, batch: dict):
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                use_cache=False)
-    return out.loss, {"loss": out.loss.item()}
+    nll, count = answer_nll(model, batch)
+    loss = nll / max(count, 1)
+    return loss, {"loss": loss.item()}
 
 
 @torch.no_grad()
@@ -52,11 +69,8 @@ def sft_evaluate(model, loader) -> dict:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for batch in loader:
-        batch = _to_device(batch)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        labels = batch["labels"][:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="sum")
-        total += torch.tensor([nll.item(), (labels != -100).sum().item()], dtype=torch.float64)
+        nll, count = answer_nll(model, _to_device(batch))
+        total += torch.tensor([nll.item(), count], dtype=torch.float64)
     model.train()
     total = all_reduce_sum(total)
     loss = (total[0] / total[1].clamp(min=1)).item()

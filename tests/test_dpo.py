@@ -93,7 +93,7 @@ def test_sequence_logprobs_match_loop_and_ignore_prompt_and_padding(seed):
     batch = DPOCollator(0)(PAIRS)
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(4, 7, 12, generator=g, dtype=torch.float64)
-    got = sequence_logprobs(logits, batch["labels"])
+    got = sequence_logprobs(logits[:, :-1], batch["labels"][:, 1:])
     rows = [(p["chosen_ids"], p["chosen_start"]) for p in PAIRS] + [(p["rejected_ids"], p["rejected_start"])
                                                                       for p in PAIRS]
     for b, (ids, start) in enumerate(rows):
@@ -107,7 +107,7 @@ def test_sequence_logprobs_match_loop_and_ignore_prompt_and_padding(seed):
     for b, (ids, start) in enumerate(rows):
         noisy[b, :start - 1] = 1e3 * torch.randn(start - 1, 12, generator=g, dtype=torch.float64)
         noisy[b, len(ids):] = float("nan")
-    torch.testing.assert_close(sequence_logprobs(noisy[:, :], batch["labels"]), got)
+    torch.testing.assert_close(sequence_logprobs(noisy[:, :-1], batch["labels"][:, 1:]), got)
 
 
 def test_phase2_pairs_record_where_each_response_starts(embedded, tmp_path):
@@ -177,10 +177,11 @@ def test_dpo_run_raises_the_margin_on_its_training_pairs(dpo_run, embedded):
     policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     reference = AutoModelForCausalLM.from_pretrained(embedded.model_dir).eval()
     with torch.no_grad():
-        pc, pr = sequence_logprobs(policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                   batch["labels"]).chunk(2)
-        rc, rr = sequence_logprobs(reference(input_ids=batch["input_ids"],
-                                             attention_mask=batch["attention_mask"]).logits, batch["labels"]).chunk(2)
+        # every column projected here (plain transformers), only the answer's in training
+        full = {m: m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+                for m in (policy, reference)}
+        pc, pr = sequence_logprobs(full[policy], batch["labels"][:, 1:]).chunk(2)
+        rc, rr = sequence_logprobs(full[reference], batch["labels"][:, 1:]).chunk(2)
     _, stats = preference_loss("sigmoid", pc, pr, rc, rr, 0.1)
     assert stats["margin"].item() > 0.01 and stats["accuracy"].item() > 0.6, stats
 

@@ -51,15 +51,14 @@ class LikelihoodScorer(Scorer):
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
-        from marlhf.dpo import sequence_logprobs  # DPO's Σ log π over the response: one copy of the maths
+        from marlhf.dpo import labelled_logprobs  # DPO's Σ log π over the response: one copy of the maths
 
         items = _items(self.tok, prompts, responses, eot=self.eot, prompt_format=self.format.prompt_format,
                        max_seq_len=self.max_len)
         collate, device, out = SFTCollator(self.tok.pad_token_id), next(iter(self.model.parameters())).device, []
         for i in range(0, len(items), batch_size):
             batch = {k: v.to(device) for k, v in collate(items[i:i + batch_size]).items()}
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            out += sequence_logprobs(logits, batch["labels"]).tolist()
+            out += labelled_logprobs(self.model, batch).tolist()
         return out
 
 

@@ -299,6 +299,25 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def first_labelled_column(labels: torch.Tensor) -> int:
+    """The column whose logits predict the batch's earliest labelled token (labels -100 elsewhere): what
+    :func:`next_token_logits` needs to start from.  T - 1 (nothing to project) when no token is labelled."""
+    labelled = (labels[:, 1:] != -100).any(dim=0)  # column t predicts token t + 1
+    return int(labelled.long().argmax()) if bool(labelled.any()) else labels.shape[1] - 1
+
+
+def next_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int,
+                      **kwargs) -> torch.Tensor:
+    """(B, T - 1 - start, V) logits of columns start .. T - 2, column j predicting token start + j + 1.
+
+    Only these columns go through the vocabulary projection (transformers' ``logits_to_keep``, after which
+    the model's own logit post-processing, e.g. Gemma-2's soft-capping, still applies): the prompt is most of
+    a sequence and its predictions are never used, nor is the last column's."""
+    keep = torch.arange(start, input_ids.shape[1] - 1, device=input_ids.device)
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep,
+                 **kwargs).logits
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding — what ``generate`` uses, so training forwards must use them too."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)

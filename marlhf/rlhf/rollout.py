@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from marlhf.generation import GenerationConfig, Samples, sample
-from marlhf.models.loading import position_ids_from_mask, token_values
+from marlhf.models.loading import next_token_logits, position_ids_from_mask, token_values
 from marlhf.rlhf.estimators import critic_free_advantages, groups
 from marlhf.rlhf.macro import num_macros
 from marlhf.rlhf.ppo_math import compute_advantages, token_rewards, whiten
@@ -91,22 +91,17 @@ class RolloutSettings:
         return self.kl_ctl if self.kl_penalty == "reward" else 0.0
 
 
-def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
-    """log π(a_t | s_t) of the answer tokens from full-sequence logits (B, P+A, V) → (B, A)."""
-    logits = logits[:, P - 1:-1].float()  # position t predicts token t+1
-    tokens = seq[:, P:]
+def answer_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log π(a_t | s_t) of the answer tokens (B, A) from the logits that predict them (B, A, V)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def forward_logits(model, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits of a left-padded batch (positions counted from each row's first real token)."""
-    return model(input_ids=seq, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                 use_cache=False).logits
-
-
 def policy_logprobs(model, seq: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
-    """(B, A) log-probs of the answer tokens under ``model``."""
-    return answer_logprobs(forward_logits(model, seq, attention_mask), seq, P)
+    """(B, A) log-probs of the answer tokens under ``model``, for a left-padded batch (positions counted from
+    each row's first real token); only the columns that predict an answer token are projected."""
+    logits = next_token_logits(model, seq, attention_mask, P - 1, position_ids=position_ids_from_mask(attention_mask))
+    return answer_logprobs(logits, seq[:, P:])
 
 
 def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
