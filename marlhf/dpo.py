@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from marlhf.data.pipeline import SFTCollator
-from marlhf.models.loading import first_labelled_column, next_token_logits
+from marlhf.models.loading import labelled_logits
 from marlhf.rlhf.macro import check_choice
 from marlhf.supervised import Objective, pair_count
 from marlhf.utils.optim_step import all_reduce_sum
@@ -38,7 +38,7 @@ LOSSES = ("sigmoid", "ipo")
 def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Σ_t log π(x_t | x_<t) over the tokens whose target is not -100 (the response; prompt and padding are
     -100, as :class:`marlhf.data.pipeline.SFTCollator` writes its labels).  logits (B, K, V) with column j
-    predicting targets[:, j] (B, K): the labels shifted by one, as :func:`next_token_logits` returns them.
+    predicting targets[:, j] (B, K): the labels shifted by one, as :func:`labelled_logits` returns them.
     → (B,) in float32 (or wider)."""
     real = targets != -100
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
@@ -92,10 +92,8 @@ class DPOCollator:
 
 def labelled_logprobs(model, batch: dict) -> torch.Tensor:
     """Σ log π of each row's labelled (response) tokens in an :class:`~marlhf.data.pipeline.SFTCollator`
-    batch: (B,).  Only the columns that predict a labelled token are projected (:func:`next_token_logits`)."""
-    start = first_labelled_column(batch["labels"])
-    logits = next_token_logits(model, batch["input_ids"], batch["attention_mask"], start)
-    return sequence_logprobs(logits, batch["labels"][:, start + 1:])
+    batch: (B,).  Only the columns that predict a labelled token are projected (:func:`labelled_logits`)."""
+    return sequence_logprobs(*labelled_logits(model, batch))
 
 
 def pair_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,13 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.models.loading import (
-    first_labelled_column,
-    last_token_index,
-    next_token_logits,
-    sequence_scores,
-    token_values,
-)
+from marlhf.models.loading import labelled_logits, last_token_index, sequence_scores, token_values
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.ds_engine import engine_from_args
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
@@ -48,13 +42,11 @@ class Objective:
 
 def answer_nll(model, batch: dict) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL of the labelled (response) tokens, and their count; only the columns that
-    predict one go through the vocabulary projection (:func:`next_token_logits`)."""
-    start = first_labelled_column(batch["labels"])
-    logits = next_token_logits(model, batch["input_ids"], batch["attention_mask"], start)
-    targets = batch["labels"][:, start + 1:]
+    predict one go through the vocabulary projection (:func:`~marlhf.models.loading.labelled_logits`)."""
+    logits, targets = labelled_logits(model, batch)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="sum")
-    return nll, int((targets != -100).sum())
+    return nll, sft_count(batch)
 
 
 def sft_loss(model, batch: dict):

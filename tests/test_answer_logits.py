@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from marlhf.data.pipeline import SFTCollator
-from marlhf.dpo import sequence_logprobs
-from marlhf.models.loading import first_labelled_column, next_token_logits, position_ids_from_mask
+from marlhf.dpo import labelled_logprobs
+from marlhf.models.loading import first_labelled_column, position_ids_from_mask
 from marlhf.rlhf.rollout import policy_logprobs
 from marlhf.supervised import answer_nll, sft_count, sft_loss
 
@@ -45,12 +45,12 @@ def _model(arch: str) -> torch.nn.Module:
     return model.double()
 
 
-def _tol(model) -> dict:
-    return dict(rel=1e-12) if model.dtype == torch.float64 else dict(rel=2e-5)
+def _tol(model) -> float:
+    return 1e-12 if model.dtype == torch.float64 else 2e-5
 
 
 def _assert_close(got: torch.Tensor, want: list, model) -> None:
-    tol = 1e-12 if model.dtype == torch.float64 else 2e-5
+    tol = _tol(model)
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=tol, atol=tol)
 
 
@@ -86,13 +86,12 @@ def test_sft_nll_and_dpo_logprobs_match_a_loop_over_full_logits(arch):
         columns = _projected_columns(model)
         nll, count = answer_nll(model, batch)
         assert count == sft_count(batch) == sum(a for _, a in ROWS)
-        assert nll.item() == pytest.approx(-sum(per_row), **_tol(model))
+        assert nll.item() == pytest.approx(-sum(per_row), rel=_tol(model))
         loss, metrics = sft_loss(model, batch)
-        assert loss.item() == pytest.approx(-sum(per_row) / count, **_tol(model)) == metrics["loss"]
+        assert loss.item() == pytest.approx(-sum(per_row) / count, rel=_tol(model)) == metrics["loss"]
         start = first_labelled_column(batch["labels"])
         assert start == 1  # the earliest answer token is at column 2
-        got = sequence_logprobs(next_token_logits(model, batch["input_ids"], batch["attention_mask"], start),
-                                batch["labels"][:, start + 1:])
+        got = labelled_logprobs(model, batch)
     T = batch["input_ids"].shape[1]
     assert columns == [T - 1 - start] * 3  # not the T columns of the full forward
     _assert_close(got, per_row, model)

@@ -318,6 +318,14 @@ def next_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                  **kwargs).logits
 
 
+def labelled_logits(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits that predict a right-padded batch's labelled tokens and their targets, aligned: (B, K, V),
+    (B, K) with -100 where nothing is labelled (the SFT loss, DPO's and the likelihood scorer's log-probs)."""
+    start = first_labelled_column(batch["labels"])
+    logits = next_token_logits(model, batch["input_ids"], batch["attention_mask"], start)
+    return logits, batch["labels"][:, start + 1:]
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding — what ``generate`` uses, so training forwards must use them too."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
