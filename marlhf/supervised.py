@@ -79,13 +79,14 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, label_smoothing:
 
 
 def divergence_span(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For chosen rows [0, B) stacked over rejected rows [B, 2B) (right-padded): per pair, the first position
-    where the two sequences differ (the shared prompt and answer prefix end) and the length of the longer
-    one, ``(start, end)``, each (B,).  Identical sequences give the span of their last token."""
+    """For chosen rows [0, B) stacked over rejected rows [B, 2B) (a :class:`PairCollator` batch: a pair's two
+    rows padded alike up to where they differ): per pair, the first column where the two sequences differ
+    (the shared prompt and answer prefix end) and the column after the longer one's last token,
+    ``(start, end)``, each (B,).  Identical sequences give the span of their last token."""
     ids_c, ids_r = input_ids.chunk(2)
     m_c, m_r = attention_mask.long().chunk(2)
-    length_c, length_r = m_c.sum(1), m_r.sum(1)
-    end = torch.maximum(length_c, length_r)
+    last_c, last_r = last_token_index(attention_mask).chunk(2)
+    end = torch.maximum(last_c, last_r) + 1
     positions = torch.arange(ids_c.shape[1], device=ids_c.device)
     differ = ((ids_c != ids_r) | (m_c != m_r)) & (positions[None] < end[:, None])
     first = torch.where(differ, positions[None], end[:, None]).min(1).values
@@ -113,7 +114,8 @@ def divergence_pairwise_loss(values: torch.Tensor, input_ids: torch.Tensor, atte
 def reward_loss(model, batch: dict, label_smoothing: float = 0.0, kind: str = "last"):
     """``kind`` "last": Bradley–Terry on the final-token scores (the score step 3 uses); "divergence": on the
     per-token rewards of the span where the pair differs (DeepSpeed-Chat's).  Accuracy is on the scores."""
-    values = token_values(model, batch["input_ids"], batch["attention_mask"], batch["response_start"])  # (2B, T)
+    values = token_values(model, batch["input_ids"], batch["attention_mask"], batch["response_start"],
+                          batch.get("prefix_width", 0))  # (2B, T)
     scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
     chosen, rejected = scores.chunk(2)
     if kind == "divergence":
@@ -130,7 +132,7 @@ def reward_evaluate(model, loader) -> dict:
     for batch in loader:
         batch = _to_device(batch)
         chosen, rejected = sequence_scores(model, batch["input_ids"], batch["attention_mask"],
-                                           batch["response_start"]).chunk(2)
+                                           batch["response_start"], batch.get("prefix_width", 0)).chunk(2)
         total += torch.tensor([(chosen > rejected).sum().item(), chosen.sum().item(), rejected.sum().item(),
                                chosen.numel()], dtype=torch.float64)
     model.train()

@@ -254,11 +254,14 @@ class ListDataset(Dataset):
         return self.items[i]
 
 
-def _pad(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(s) for s in seqs)
+def _pad(seqs: list[list[int]], pad_id: int, left: bool = False,
+         width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s) for s in seqs) if width is None else width
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, s in enumerate(seqs):
+        if not s:
+            continue
         sl = slice(T - len(s), T) if left else slice(0, len(s))
         ids[i, sl] = torch.tensor(s, dtype=torch.long)
         mask[i, sl] = 1
@@ -281,16 +284,35 @@ class SFTCollator:
 
 
 class PairCollator:
-    """Chosen sequences stacked over rejected ones: rows [0, B) chosen, [B, 2B) rejected; ``response_start``
-    is each row's first answer column."""
+    """Chosen sequences stacked over rejected ones, rows [0, B) chosen and [B, 2B) rejected, laid out so that
+    each pair's common prefix can be run once (:func:`marlhf.models.loading.pair_hidden_states`): row i and row
+    B + i are [left padding, the tokens the two sequences share, the row's own rest, right padding], the shared
+    part ending at column ``prefix_width`` in every pair.  Each side keeps at least its last token after it.
+    ``response_start`` is each row's first answer column in this layout."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def __call__(self, batch: list[dict]) -> dict:
-        ids, mask = _pad([b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch], self.pad_id)
-        start = torch.tensor([b["chosen_start"] for b in batch] + [b["rejected_start"] for b in batch])
-        return {"input_ids": ids, "attention_mask": mask, "response_start": start}
+        shared = [_common_prefix(b["chosen_ids"], b["rejected_ids"]) for b in batch]
+        width = max(shared)
+        rows = [(b["chosen_ids"], b["chosen_start"]) for b in batch] + [(b["rejected_ids"], b["rejected_start"])
+                                                                       for b in batch]
+        shared = shared + shared
+        prefix, prefix_mask = _pad([ids[:k] for (ids, _), k in zip(rows, shared)], self.pad_id, left=True,
+                                   width=width)
+        rest, rest_mask = _pad([ids[k:] for (ids, _), k in zip(rows, shared)], self.pad_id)
+        ids, mask = torch.cat([prefix, rest], dim=1), torch.cat([prefix_mask, rest_mask], dim=1)
+        start = torch.tensor([s + width - k for (_, s), k in zip(rows, shared)])
+        return {"input_ids": ids, "attention_mask": mask, "response_start": start, "prefix_width": width}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share, leaving each at least one token of its own."""
+    limit, k = min(len(a), len(b)) - 1, 0
+    while k < limit and a[k] == b[k]:
+        k += 1
+    return max(k, 0)
 
 
 class PromptCollator:

@@ -331,15 +331,41 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
+def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       prefix_width: int = 0) -> torch.Tensor:
+    """Last hidden states (R, T, H) of a batch, where a :class:`~marlhf.data.pipeline.PairCollator` batch's
+    shared prefix is computed once: rows [0, B) and [B, 2B) hold the same tokens in columns [0, prefix_width)
+    (a pair's prompt and whatever its two answers start with), so those columns run for the first B rows
+    only, and each row's remaining columns attend to their keys and values through the KV cache.
+
+    The result equals one forward over all rows (causal attention: a column sees only the columns before it).
+    ``prefix_width`` 0 is that plain forward; so is a model under gradient checkpointing, which drops the
+    cache in training."""
+    positions = position_ids_from_mask(attention_mask)
+    rows, width = input_ids.shape
+    checkpointing = base.training and getattr(base, "gradient_checkpointing", False)
+    if prefix_width <= 0 or prefix_width >= width or rows % 2 or checkpointing:
+        return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                    position_ids=positions).last_hidden_state
+    half, P = rows // 2, prefix_width
+    prefix = base(input_ids=input_ids[:half, :P], attention_mask=attention_mask[:half, :P],
+                  position_ids=positions[:half, :P], use_cache=True)
+    cache = prefix.past_key_values
+    cache.batch_select_indices(torch.arange(half, device=input_ids.device).repeat(2))  # pair i -> rows i, B + i
+    rest = base(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
+                past_key_values=cache, use_cache=True).last_hidden_state
+    return torch.cat([prefix.last_hidden_state.repeat(2, 1, 1), rest], dim=1)
+
+
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 response_start: torch.Tensor | int | None = None) -> torch.Tensor:
+                 response_start: torch.Tensor | int | None = None, prefix_width: int = 0) -> torch.Tensor:
     """Scalar head on every position: (B, T) values (the critic) / per-token rewards.  A reward model with a
     :class:`LikelihoodTerm` adds it, which needs ``response_start``: each row's first answer column (B,), or
-    one column for all rows (left-padded prompts)."""
+    one column for all rows (left-padded prompts).  ``prefix_width``: a pair batch's shared columns, run
+    once (:func:`pair_hidden_states`)."""
     inner = _unwrap(model)
     base = getattr(inner, inner.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                  position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width)
     values = inner.score(hidden).squeeze(-1).float()  # (B, T)
     term = getattr(inner, "likelihood", None)
     if term is None:
@@ -352,16 +378,16 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last real token of each right-padded row: (B,)."""
+    """Column of each row's last real token (its rightmost unmasked column, whatever padding precedes it): (B,)."""
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (positions * attention_mask.long()).argmax(dim=1)
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_start: torch.Tensor | int | None = None) -> torch.Tensor:
+                    response_start: torch.Tensor | int | None = None, prefix_width: int = 0) -> torch.Tensor:
     """Reward-model score of each sequence: the head's value at its last real token, plus the likelihood term
     over the answer when the model has one (which needs ``response_start``, as :func:`token_values`).  (B,)"""
-    values = token_values(model, input_ids, attention_mask, response_start)
+    values = token_values(model, input_ids, attention_mask, response_start, prefix_width)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx[:, None]).squeeze(1)
 

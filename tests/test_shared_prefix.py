@@ -1,0 +1,203 @@
+"""Step 2 runs each preference pair's shared prefix once (``PairCollator`` + ``pair_hidden_states``).
+
+A pair's chosen and rejected sequences share the prompt (and often the first answer words); the collator lays
+the pair out so that those columns are identical in both rows, and the reward model computes them for one row
+and lets both rows' remaining columns attend to them through the KV cache.  Checked against a loop of
+unpadded single-sequence forwards of plain transformers, for Llama, Gemma, Gemma-2 (with a sliding window
+shorter than the prompts) and GPT-2: the per-token values, the scores, the pairwise loss and its gradient;
+and a hook on the embeddings counts the tokens that went through the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from marlhf.data.pipeline import PairCollator
+from marlhf.models.loading import last_token_index, pair_hidden_states, sequence_scores, token_values
+from marlhf.supervised import divergence_span, reward_loss
+
+V = 37
+ARCHS = {
+    "llama": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1),
+    "gemma": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16),
+    "gemma2": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, sliding_window=4),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=2),
+}
+# (prompt, chosen answer, rejected answer); the two answers of a pair may share their first tokens
+SHAPES = [(6, [9, 9, 9], [9, 9, 4, 4, 4]),   # answers share two tokens
+          (3, [7, 8], [5]),                  # differ at once; rejected ends first
+          (9, [6, 6, 6, 6], [6, 6, 6, 6, 2]),  # chosen is a prefix of rejected
+          (4, [3, 5], [3, 5])]               # identical: each row keeps its last token
+
+
+def _model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(arch, vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_labels=1,
+                               **ARCHS[arch])
+    model = AutoModelForSequenceClassification.from_config(cfg).eval()
+    # float32 for Gemma-2: in float64 transformers' Gemma-2 makes whole left-padded rows NaN
+    return model if arch == "gemma2" else model.double()
+
+
+def _pairs(seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p, chosen, rejected in SHAPES:
+        prompt = torch.randint(3, V, (p,), generator=g).tolist()
+        out.append({"chosen_ids": prompt + chosen, "rejected_ids": prompt + rejected,
+                    "chosen_start": p, "rejected_start": p})
+    return out
+
+
+def _loop(model, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """(T, H) last hidden states of each sequence, one unpadded forward per sequence."""
+    base = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        return [base(input_ids=torch.tensor([s])).last_hidden_state[0].double() for s in seqs]
+
+
+def _tol(model) -> float:
+    """Float64 rounding, or float32's: Gemma's RMSNorm computes in float32 whatever the model's dtype."""
+    exact = next(model.parameters()).dtype == torch.float64 and model.config.model_type != "gemma"
+    return 1e-10 if exact else 2e-5
+
+
+def test_collator_lays_each_pair_out_around_its_shared_prefix():
+    pairs = _pairs()
+    batch = PairCollator(0)(pairs)
+    ids, mask, start, P = batch["input_ids"], batch["attention_mask"], batch["response_start"], batch["prefix_width"]
+    B = len(pairs)
+    # shared: the prompt plus the answers' common start, each side keeping one token of its own
+    shared = [6 + 2, 3, 9 + 3, 4 + 1]
+    assert P == max(shared) == 12
+    for i, (pair, k) in enumerate(zip(pairs, shared)):
+        assert torch.equal(ids[i, :P], ids[B + i, :P]) and torch.equal(mask[i, :P], mask[B + i, :P])
+        for row, seq, s in ((i, pair["chosen_ids"], pair["chosen_start"]),
+                            (B + i, pair["rejected_ids"], pair["rejected_start"])):
+            real = mask[row].bool()
+            assert ids[row][real].tolist() == seq  # the sequence, in order, padding removed
+            assert mask[row, :P].sum() == k and mask[row, P:].sum() == len(seq) - k  # left pad, then right pad
+            assert ids[row, start[row]].item() == seq[s]  # the first answer token, moved with its row
+            assert start[row] == s + P - k
+            assert last_token_index(mask)[row] == P + len(seq) - k - 1
+    # DeepSpeed-Chat's divergence span, in the columns of this layout
+    first, end = divergence_span(ids, mask)
+    assert first.tolist() == [P, P, P + 1, P] and end.tolist() == [P + 3, P + 2, P + 2, P + 1]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_hidden_states_values_and_scores_match_unpadded_forwards(arch):
+    model = _model(arch)
+    pairs = _pairs(1)
+    batch = PairCollator(0)(pairs)
+    seqs = [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs]
+    want = _loop(model, seqs)
+    ids, mask, P = batch["input_ids"], batch["attention_mask"], batch["prefix_width"]
+    base = getattr(model, model.base_model_prefix)
+    tol = _tol(model)
+    with torch.no_grad():
+        for width in (P, 0):  # shared prefix run once, and the plain forward of the same layout
+            hidden = pair_hidden_states(base, ids, mask, width)
+            for row, expected in enumerate(want):
+                torch.testing.assert_close(hidden[row][mask[row].bool()].double(), expected, rtol=tol, atol=tol)
+            # the head's values (taken in float32) on every real token, and the score at the last one
+            values = token_values(model, ids, mask, prefix_width=width)
+            for row, expected in enumerate(want):
+                head = model.score(expected.to(next(model.parameters()).dtype))[:, 0].float()
+                torch.testing.assert_close(values[row][mask[row].bool()], head, rtol=2e-5, atol=2e-5)
+            scores = sequence_scores(model, ids, mask, prefix_width=width)
+            torch.testing.assert_close(scores, values.gather(1, last_token_index(mask)[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("kind", ["last", "divergence"])
+def test_loss_and_gradient_equal_the_plain_forwards(kind):
+    pairs = _pairs(2)
+    batch = PairCollator(0)(pairs)
+    grads, losses = [], []
+    for width in (batch["prefix_width"], 0):
+        model = _model("llama").train()
+        loss, metrics = reward_loss(model, {**batch, "prefix_width": width}, 0.1, kind)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    # float64 model, the head's values taken in float32 (as for every dtype): equal to float32 rounding
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    assert grads[0].abs().sum() > 0
+
+
+def test_the_shared_columns_go_through_the_model_once():
+    model = _model("llama")
+    pairs = _pairs(3)
+    batch = PairCollator(0)(pairs)
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    with torch.no_grad():
+        token_values(model, batch["input_ids"], batch["attention_mask"], prefix_width=batch["prefix_width"])
+    rows, width = batch["input_ids"].shape
+    P = batch["prefix_width"]
+    assert seen == [rows // 2 * P, rows * (width - P)]
+    assert sum(seen) < rows * width
+
+
+def _checkpointing(model, on: bool) -> None:
+    """transformers >= 5.23 calls it activation checkpointing, older releases gradient checkpointing."""
+    name = "enable" if on else "disable"
+    (getattr(model, f"activation_checkpointing_{name}", None) or getattr(model, f"gradient_checkpointing_{name}"))()
+
+
+def test_gradient_checkpointing_takes_the_plain_forward():
+    """Under gradient checkpointing transformers drops the KV cache in training: the pair runs unshared."""
+    model = _model("llama").train()
+    _checkpointing(model, True)
+    batch = PairCollator(0)(_pairs(4))
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    loss, _ = reward_loss(model, batch)
+    loss.backward()
+    assert seen[0] == batch["input_ids"].numel()
+    _checkpointing(model, False)
+    model.eval()
+    with torch.no_grad():
+        plain = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
+    model.train()
+    _checkpointing(model, True)
+    with torch.no_grad():
+        model.eval()  # eval: the shared path again, same scores
+        shared = sequence_scores(model, batch["input_ids"], batch["attention_mask"],
+                                 prefix_width=batch["prefix_width"])
+    torch.testing.assert_close(shared, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_likelihood_term_reads_the_moved_answer_start():
+    """A reward model with the likelihood term (the tiny scripts' step 2): α · Σ log p(answer) is read from the
+    answer columns of the shared layout; scores equal those of the plain right-padded layout of step 2."""
+    from marlhf import embedded
+    from marlhf.data.pipeline import _pad
+    from marlhf.models.loading import load_reward_model, load_tokenizer
+
+    folder = str(embedded.prepare(size="nano").model_dir)
+    tok = load_tokenizer(folder, "<|endoftext|>")
+    model = load_reward_model(folder, tok, likelihood_term=True).eval()
+    g = torch.Generator().manual_seed(5)
+    pairs = []
+    for p, chosen, rejected in SHAPES:
+        prompt = torch.randint(3, 200, (p,), generator=g).tolist()
+        pairs.append({"chosen_ids": prompt + [c + 20 for c in chosen], "chosen_start": p,
+                      "rejected_ids": prompt + [r + 20 for r in rejected], "rejected_start": p})
+    batch = PairCollator(tok.pad_token_id)(pairs)
+    seqs = [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs]
+    ids, mask = _pad(seqs, tok.pad_token_id)
+    starts = torch.tensor([p["chosen_start"] for p in pairs] + [p["rejected_start"] for p in pairs])
+    with torch.no_grad():
+        plain = sequence_scores(model, ids, mask, starts)
+        shared = sequence_scores(model, batch["input_ids"], batch["attention_mask"], batch["response_start"],
+                                 batch["prefix_width"])
+        head_only = sequence_scores(model, batch["input_ids"], batch["attention_mask"],
+                                    batch["input_ids"].shape[1], batch["prefix_width"])
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-4)
+    assert (shared < head_only - 1).all()  # the term is there: every answer's log-probability is well below 0
