@@ -143,6 +143,8 @@ class SupervisedArgs(BaseArgs):
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     dropout: float | None = opt(None, "Override the model's dropout probabilities (None keeps the config's).")
+    group_by_length: bool = opt(False, "Batch training examples of similar length (sorted within mega-batches of "
+                                "50 batches, the batches shuffled): less padding, the same examples per epoch.")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from marlhf.data.pipeline import SFTCollator
 from marlhf.models.loading import labelled_logits
 from marlhf.rlhf.macro import check_choice
-from marlhf.supervised import Objective, pair_count
+from marlhf.supervised import Objective, pair_count, pair_length
 from marlhf.utils.optim_step import all_reduce_sum
 
 LOSSES = ("sigmoid", "ipo")
@@ -130,4 +130,4 @@ def dpo_objective(pad_id: int, reference, beta: float, kind: str = "sigmoid"):
         count = total[-1].clamp(min=1)
         return {k: (total[i] / count).item() for i, k in enumerate(keys)}
 
-    return Objective("dpo", DPOCollator(pad_id), loss, evaluate, pair_count)
+    return Objective("dpo", DPOCollator(pad_id), loss, evaluate, pair_count, pair_length)

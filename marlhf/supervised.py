@@ -38,6 +38,7 @@ class Objective:
     loss: Callable  # (model, batch) -> (loss, {metric: float}); the loss is a mean over count(batch) units
     evaluate: Callable  # (model, loader) -> {metric: float}
     count: Callable = None  # batch -> units the loss averages over (response tokens / pairs), see optim_step
+    length: Callable = None  # example -> its tokens, for --group_by_length
 
 
 def answer_nll(model, batch: dict) -> tuple[torch.Tensor, int]:
@@ -151,8 +152,16 @@ def pair_count(batch: dict) -> int:
     return batch["input_ids"].shape[0] // 2
 
 
+def sft_length(example: dict) -> int:
+    return len(example["input_ids"])
+
+
+def pair_length(example: dict) -> int:
+    return len(example["chosen_ids"]) + len(example["rejected_ids"])
+
+
 def sft_objective(pad_id: int) -> Objective:
-    return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate, sft_count)
+    return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate, sft_count, sft_length)
 
 
 REWARD_LOSSES = ("last", "divergence")
@@ -162,7 +171,7 @@ def reward_objective(pad_id: int, label_smoothing: float = 0.0, kind: str = "las
     if kind not in REWARD_LOSSES:
         raise ValueError(f"reward loss must be one of {REWARD_LOSSES}, got {kind!r}")
     loss = functools.partial(reward_loss, label_smoothing=label_smoothing, kind=kind)
-    return Objective("reward", PairCollator(pad_id), loss, reward_evaluate, pair_count)
+    return Objective("reward", PairCollator(pad_id), loss, reward_evaluate, pair_count, pair_length)
 
 
 def _to_device(batch: dict) -> dict:
@@ -179,7 +188,8 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
     Evaluates before training and every ``--eval_interval`` steps / epoch end, checkpoints every
     ``--save_steps`` (resumable with ``--resume``), logs to ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
     mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    sampler = ResumableSampler(len(train_items), args.seed)
+    lengths = [objective.length(item) for item in train_items] if args.group_by_length else None
+    sampler = ResumableSampler(len(train_items), args.seed, lengths=lengths, batch_size=mb)
     loader = make_loader(train_items, mb, sampler, objective.collator)
     eval_loader = make_loader(eval_items, args.per_device_eval_batch_size,
                               ResumableSampler(len(eval_items), args.seed, shuffle=False), objective.collator)

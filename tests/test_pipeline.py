@@ -1,6 +1,7 @@
 """Config parsing, phase splits, tokenization (response-only labels, over-long prompts) and the cache."""
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -217,3 +218,64 @@ def test_max_eval_samples_counts_kept_examples(tmp_path):
     assert all(len(r.prompt) < 10 for r in out.eval_records)
     assert [list(x["input_ids"][1:x["response_start"]]) for x in out.eval] == \
         [[ord(c) for c in r.prompt] for r in out.eval_records]
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+def _rank_batches(n, lengths, batch, world, epoch=0, skip=0, seed=3):
+    from marlhf.data.pipeline import ResumableSampler
+
+    out = []
+    for rank in range(world):
+        s = ResumableSampler(n, seed, lengths=lengths, batch_size=batch)
+        s.rank, s.world = rank, world
+        s.set_epoch(epoch, skip)
+        order = list(s)
+        out.append([order[i:i + batch] for i in range(0, len(order), batch)])
+    return out
+
+
+def test_group_by_length_batches_similar_lengths_and_sees_every_example_once():
+    g = torch.Generator().manual_seed(0)
+    n, batch, world = 203, 4, 2
+    lengths = torch.randint(10, 200, (n,), generator=g).tolist()
+
+    def padding(per_rank):  # padded tokens the batches carry, over all ranks
+        return sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for r in per_rank for b in r)
+
+    grouped = _rank_batches(n, lengths, batch, world)
+    plain = _rank_batches(n, None, batch, world)
+    # every example once per epoch (ceil(n / world) per rank, the permutation wrapped to fill: one repeat)
+    seen = sorted(i for r in grouped for b in r for i in b)
+    assert len(seen) == 2 * math.ceil(n / world) and sorted(set(seen)) == list(range(n))
+    assert sorted(seen) == sorted(i for r in plain for b in r for i in b)  # the same items as ungrouped
+    assert padding(grouped) < 0.2 * padding(plain)
+    # the ranks' k-th batches are one global batch, neighbours in a sorted mega-batch: a narrow length span
+    spans = [max(lengths[i] for r in grouped for i in r[k]) - min(lengths[i] for r in grouped for i in r[k])
+             for k in range(len(grouped[0]))]
+    assert sum(spans) / len(spans) < 0.1 * (max(lengths) - min(lengths))
+    # batches are not served longest-first: their order is shuffled
+    firsts = [max(lengths[i] for i in b) for b in grouped[0]]
+    assert firsts != sorted(firsts, reverse=True)
+
+
+def test_group_by_length_is_seeded_per_epoch_and_resumes_mid_epoch():
+    lengths = [(7 * i) % 31 + 1 for i in range(64)]
+    a = _rank_batches(64, lengths, 4, 1, epoch=1)[0]
+    assert a == _rank_batches(64, lengths, 4, 1, epoch=1)[0]
+    assert a != _rank_batches(64, lengths, 4, 1, epoch=2)[0]
+    resumed = _rank_batches(64, lengths, 4, 1, epoch=1, skip=12)[0]
+    assert [i for b in resumed for i in b] == [i for b in a for i in b][12:]
+
+
+def test_group_by_length_keeps_a_partial_last_batch_last():
+    lengths = list(range(1, 11))  # 10 items in batches of 4: the last global batch holds 2
+    batches = _rank_batches(10, lengths, 4, 1)[0]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert sorted(lengths[i] for i in batches[-1]) == [1, 2]  # the two shortest: the sorted chunk's tail
+
+
+def test_group_by_length_rejects_lengths_of_another_dataset():
+    from marlhf.data.pipeline import ResumableSampler
+
+    with pytest.raises(ValueError, match="3 lengths for 4 items"):
+        ResumableSampler(4, 0, lengths=[1, 2, 3])

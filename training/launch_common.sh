@@ -193,7 +193,7 @@ supervised_flags() {
     FLAGS+=(--per_device_train_batch_size "$PER_DEVICE" --per_device_eval_batch_size "$PER_DEVICE"
             --gradient_accumulation_steps "$GRAD_ACCUM" --learning_rate "$LR" --weight_decay 0.0
             --num_train_epochs "$EPOCHS" --lr_scheduler_type "$LR_SCHEDULE" --warmup_ratio "$WARMUP_RATIO"
-            --zero_stage "$ZERO_STAGE")
+            --zero_stage "$ZERO_STAGE" --group_by_length)
     if (( OFFLOAD )); then FLAGS+=(--offload); fi
     if (( GRADIENT_CHECKPOINTING )); then FLAGS+=(--gradient_checkpointing); fi
     FLAGS+=(--dtype "$DTYPE" --deepspeed --output_dir "$OUTPUT")

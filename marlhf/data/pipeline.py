@@ -334,10 +334,21 @@ class ResumableSampler(Sampler):
     """This rank's share of a seeded per-epoch permutation, optionally starting ``skip`` items in.
 
     Like DistributedSampler (every rank gets ceil(n / world) items, the permutation wrapped to fill), but
-    able to continue mid-epoch so a resumed run sees exactly the batches the stopped one would have."""
+    able to continue mid-epoch so a resumed run sees exactly the batches the stopped one would have.
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
+    With ``lengths`` (each item's cost, e.g. its tokens) the permutation is grouped by length, as transformers'
+    ``group_by_length``: cut into mega-batches of :data:`MEGA_BATCHES` global batches (``batch_size`` items per
+    rank, all ranks), each sorted by length and cut into global batches again, whose order is then shuffled.
+    A batch then holds items of similar length and pads little; every item is still seen once per epoch."""
+
+    MEGA_BATCHES = 50
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, lengths: list[int] | None = None,
+                 batch_size: int = 1):
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"{len(lengths)} lengths for {n} items")
         self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.lengths, self.batch_size = lengths, batch_size
         self.rank, self.world = dist.rank(), dist.world_size()
         self.epoch, self.skip = 0, 0
 
@@ -345,13 +356,27 @@ class ResumableSampler(Sampler):
         self.epoch, self.skip = epoch, skip
 
     def _indices(self) -> list[int]:
-        if self.shuffle:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        else:
-            order = list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
         per_rank = math.ceil(self.n / self.world)
         order = (order * math.ceil(per_rank * self.world / max(self.n, 1)))[: per_rank * self.world]
+        if self.lengths is not None:
+            order = self._grouped(order, g)
         return order[self.rank::self.world]
+
+    def _grouped(self, order: list[int], g: torch.Generator) -> list[int]:
+        """``order`` with each mega-batch sorted by length (longest first) and its global batches shuffled; a
+        last, partial global batch stays last, so that every other one keeps its place across the ranks."""
+        step = self.batch_size * self.world  # a global batch: rank r takes its items r, r + world, ...
+        mega = step * self.MEGA_BATCHES
+        out = []
+        for m in range(0, len(order), mega):
+            chunk = sorted(order[m:m + mega], key=lambda i: -self.lengths[i])
+            batches = [chunk[b:b + step] for b in range(0, len(chunk), step)]
+            full = len(batches) - (len(batches[-1]) < step)
+            out += [i for k in torch.randperm(full, generator=g).tolist() + list(range(full, len(batches)))
+                    for i in batches[k]]
+        return out
 
     def __iter__(self):
         return iter(self._indices()[self.skip:])
