@@ -409,3 +409,30 @@ def test_bench_reward_model_settings_carry_flags_and_launch_overrides(monkeypatc
         bench.run_one("sft", "", flags, 3, tmp_path)
     assert seen["LIKELIHOOD_TERM"] == "0" and seen["MODEL_PATH"] == "sft"
     assert seen["EXTRA_ARGS"] == "--seed=3 --learning_rate=5e-4"
+
+
+def test_generated_records_are_cached_by_settings_and_generator(tmp_path, monkeypatch):
+    """Steps 2 and 3 each read the task's train and test records: generated once, then read from
+    $MARLHF_HOME/records — equal to a fresh generation, keyed by the settings (and the generator's source)."""
+    from marlhf.data.adapters import loader
+
+    monkeypatch.setenv("MARLHF_HOME", str(tmp_path))
+    cfg = synthetic.SyntheticConfig(num_records=30, seed=11)
+    fresh = synthetic.generate(cfg)
+    assert loader.synthetic_records(cfg) == fresh
+    files = list((tmp_path / "records").glob("*.jsonl"))
+    assert len(files) == 1 and len(files[0].read_text().splitlines()) == 30
+
+    def no_generation(_cfg):
+        raise AssertionError("generated again instead of read from the cache")
+
+    monkeypatch.setattr(synthetic, "generate", no_generation)
+    cached = loader.synthetic_records(cfg)
+    assert cached == fresh and cached[3].meta == fresh[3].meta  # the facts and flaws the gold scorer reads
+    with pytest.raises(AssertionError, match="generated again"):  # other settings: another file
+        loader.synthetic_records(dataclasses.replace(cfg, seed=12))
+    # an unwritable home costs the time only
+    monkeypatch.undo()
+    (tmp_path / "ro").write_text("a file where the home folder should be")
+    monkeypatch.setenv("MARLHF_HOME", str(tmp_path / "ro"))
+    assert loader.synthetic_records(cfg) == fresh

@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
+import os
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -333,15 +337,39 @@ def _load_synthetic(options_text: str, split: str, drops: Counter) -> list[Recor
 
     cfg = synthetic.SyntheticConfig(**parse_synthetic_options(options_text, synthetic.SyntheticConfig))
     if split == "train":
-        return list(synthetic.generate(cfg))
-    train_prompts = {r.prompt for r in synthetic.generate(cfg)}
+        return synthetic_records(cfg)
+    train_prompts = {r.prompt for r in synthetic_records(cfg)}
     test_cfg = dataclasses.replace(cfg, seed=cfg.seed + SYNTHETIC_TEST_SEED_OFFSET)
     records = []
-    for record in synthetic.generate(test_cfg):
+    for record in synthetic_records(test_cfg):
         if record.prompt in train_prompts:
             drops[(SYNTHETIC, "prompt", "test prompt also in train")] += 1
         else:
             records.append(record)
+    return records
+
+
+def synthetic_records(cfg) -> list[Record]:
+    """``synthetic.generate(cfg)``, kept under ``$MARLHF_HOME/records`` after the first call: generating and
+    gold-scoring 4,000 pairs takes seconds, and steps 2 and 3 each read train and test.  The file is keyed
+    by the settings and the generator's source, so a changed generator never reads old records; a home
+    that cannot be written to only costs the time."""
+    from marlhf.data import synthetic
+    from marlhf.embedded import default_home
+
+    source = Path(synthetic.__file__).read_bytes()
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode() + source)
+    path = default_home() / "records" / f"synthetic-{key.hexdigest()[:20]}.jsonl"
+    if path.is_file():
+        return [Record(**json.loads(line)) for line in path.read_text().splitlines()]
+    records = list(synthetic.generate(cfg))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+        os.replace(tmp, path)  # atomic: concurrent ranks and crashes never leave half a file under the name
+    except OSError as err:
+        logger.info("synthetic records not cached (%s): %s", path, err)
     return records
 
 

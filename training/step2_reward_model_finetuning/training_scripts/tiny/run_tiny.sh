@@ -28,15 +28,15 @@ OUTPUT=${1:-./output/tiny/step2}
 ZERO_STAGE=${2:-0}
 MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded model
 
-# Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64), two epochs (200
-# steps, 2-4 min) over the reward-model share (4 of 2,4,4) of the synthetic pairs, evaluation on 256 of
-# them (label noise 0.1 caps the accuracy near 0.9).  The score head alone learns changes of shape (a
-# dropped fact, sentence order) but not a fact replaced by another of its kind; the likelihood term sees
-# those, and with it a gentler learning rate keeps what the SFT model's next-token head knows.
+# Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64) over the reward-model
+# share (4 of 2,4,4) of the synthetic pairs, evaluation on 256 of them (label noise 0.1 caps the accuracy
+# near 0.9).  The score head alone learns changes of shape (a dropped fact, sentence order) but not a fact
+# replaced by another of its kind, in two epochs (200 steps); the likelihood term sees those, and with it a
+# gentler learning rate keeps what the SFT model's next-token head knows, in one epoch (100 steps, ~1.5 min:
+# a second pass over the same pairs gave the same held-out accuracy, 0.844 after both, and step 3 no more).
 GLOBAL_BATCH=16
-EPOCHS=2
 LIKELIHOOD_TERM=$likelihood_term
-if (( LIKELIHOOD_TERM )); then LR=1e-4; else LR=5e-4; fi
+if (( LIKELIHOOD_TERM )); then LR=1e-4 EPOCHS=1; else LR=5e-4 EPOCHS=2; fi
 MAX_EVAL_SAMPLES=256
 
 # Global batch = per-device batch x gradient accumulation x ranks: 16 = 8 x 2 x 1.
