@@ -142,11 +142,12 @@ def _build_atomically(target: Path, build, replace: bool) -> None:
 
 def _build_task(out: Path, cfg: synthetic.SyntheticConfig, vocab_size: int) -> None:
     """Records, tokenizer trained on all their text, and a manifest with measured statistics."""
+    from marlhf.data.adapters.loader import synthetic_records  # the records cache --data_path synthetic reads
     from marlhf.models.tokenizer import train_tokenizer
 
     out.mkdir(parents=True)
     logger.info("generating %d records (seed %d, label noise %g)", cfg.num_records, cfg.seed, cfg.label_noise)
-    records = synthetic.generate(cfg)
+    records = synthetic_records(cfg)
     synthetic.write_jsonl(records, out / DATA_FILE)
     texts = [t for r in records for t in (r.prompt, r.chosen, r.rejected)]
     logger.info("training a %d-token tokenizer on %d texts", vocab_size, len(texts))
