@@ -353,10 +353,12 @@ def synthetic_records(cfg) -> list[Record]:
     """``synthetic.generate(cfg)``, kept under ``$MARLHF_HOME/records`` after the first call: generating and
     gold-scoring 4,000 pairs takes seconds, and steps 2 and 3 each read train and test.  The file is keyed
     by the settings and the generator's source, so a changed generator never reads old records; a home
-    that cannot be written to only costs the time."""
+    that cannot be written to only costs the time, and a generator with no source file is not cached."""
     from marlhf.data import synthetic
     from marlhf.embedded import default_home
 
+    if not getattr(synthetic, "__file__", None):
+        return list(synthetic.generate(cfg))
     source = Path(synthetic.__file__).read_bytes()
     key = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode() + source)
     path = default_home() / "records" / f"synthetic-{key.hexdigest()[:20]}.jsonl"
