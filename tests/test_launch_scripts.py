@@ -81,7 +81,10 @@ class Launch:
 
 
 def run(path: Path, tmp_path: Path, *args: str, **env: str) -> Launch:
-    """Run ``bash path args`` in tmp_path with a clean environment plus ``env`` and the fake launcher."""
+    """Run ``bash path args`` in tmp_path with a clean environment plus ``env`` and the fake launcher.
+
+    LAUNCHER=deepspeed unless ``env`` says otherwise, so that one-rank scripts are recorded as the runner's
+    command line too (the direct one-rank launch of LAUNCHER=auto: test_one_local_rank_starts_main_directly)."""
     bin_dir = tmp_path / "fakebin"
     if not bin_dir.exists():
         bin_dir.mkdir()
@@ -90,7 +93,7 @@ def run(path: Path, tmp_path: Path, *args: str, **env: str) -> Launch:
     record = tmp_path / "deepspeed_args"
     record.unlink(missing_ok=True)
     full_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path),
-                "FAKE_DS_ARGS": str(record), **env}
+                "FAKE_DS_ARGS": str(record), "LAUNCHER": "deepspeed", **env}
     proc = subprocess.run(["bash", str(path), *args], cwd=tmp_path, env=full_env, capture_output=True,
                           text=True, timeout=60)
     argv = record.read_bytes().decode().split("\0")[:-1] if record.exists() else None
@@ -585,6 +588,61 @@ def test_tiny_model_path_override(tmp_path):
     no_paths = {"ACTOR_MODEL_PATH": "", "CRITIC_MODEL_PATH": ""}
     out, cfg = launch_and_parse(script(3, "tiny/run_tiny.sh"), tmp_path, **no_paths)
     assert "--actor_model_name_or_path" not in out.flags and cfg.actor_model_name_or_path == ""
+
+
+# ------------------------------------------------------------------------------------- LAUNCHER=auto
+# A fake `python` records its arguments and the variables the launch hands main.py; the scripts run no other
+# python command.
+FAKE_PYTHON = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$FAKE_PY_ARGS"
+printf 'PYTHONPATH=%s\\nMASTER_PORT=%s\\n' "${PYTHONPATH:-}" "${MASTER_PORT:-unset}" > "$FAKE_PY_ARGS.env"
+echo "fake python: $# arguments"
+exit "${FAKE_PY_EXIT:-0}"
+"""
+
+
+def run_auto(path: Path, tmp_path: Path, **env: str) -> tuple[Launch, list[str] | None, str]:
+    """``run`` with LAUNCHER=auto (the default: LAUNCHER unset) and a fake python: (the launch, python's
+    arguments or None, the variables it saw)."""
+    bin_dir = tmp_path / "fakebin"
+    run(path, tmp_path, LAUNCHER="deepspeed", NUM_GPUS="1")  # creates fakebin
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    record = tmp_path / "python_args"
+    for f in (record, Path(f"{record}.env")):
+        f.unlink(missing_ok=True)
+    out = run(path, tmp_path, **{"LAUNCHER": "", "FAKE_PY_ARGS": str(record), **env})
+    argv = record.read_bytes().decode().split("\0")[:-1] if record.exists() else None
+    seen = Path(f"{record}.env").read_text() if record.exists() else ""
+    return out, argv, seen
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, "dpo"])
+def test_one_local_rank_starts_main_directly(step, tmp_path):
+    """One local rank: `python -u main.py FLAGS EXTRA_ARGS`, main.py's flags exactly those the runner gets."""
+    path = script(step, "tiny/run_tiny.sh")
+    ds = launch_ok(path, tmp_path, EXTRA_ARGS="--seed 7")
+    log = tmp_path / "auto.log"
+    out, argv, seen = run_auto(path, tmp_path, EXTRA_ARGS="--seed 7", LOG_FILE=str(log))
+    assert out.returncode == 0 and out.argv is None, out.stderr  # the runner was not called
+    assert argv == ["-u", str(ds.main), *ds.flags] and ds.flags[-2:] == ["--seed", "7"]
+    assert log.read_text() == out.stdout == f"launch: python -u {ds.main}\nfake python: {len(argv)} arguments\n"
+    assert seen.splitlines() == [f"PYTHONPATH={tmp_path}", "MASTER_PORT=unset"]  # main.py picks a free port
+    _, _, seen = run_auto(path, tmp_path, MASTER_PORT="29777", PYTHONPATH="/x")
+    assert seen.splitlines() == [f"PYTHONPATH={tmp_path}:/x", "MASTER_PORT=29777"]
+    failed, _, _ = run_auto(path, tmp_path, FAKE_PY_EXIT="3")
+    assert failed.returncode == 3  # main.py's exit status is the script's, as the launcher's is
+
+
+def test_auto_uses_the_runner_for_more_than_one_local_rank(tmp_path):
+    two, argv, _ = run_auto(script(1, "tiny/run_tiny_2ranks.sh"), tmp_path)
+    assert argv is None and two.launcher_value("--num_gpus") == "2"
+    extra, argv, _ = run_auto(script(1, "tiny/run_tiny.sh"), tmp_path, LAUNCHER_ARGS="--bind_cores_to_rank")
+    assert argv is None and "--bind_cores_to_rank" in extra.launcher
+    multi, argv, _ = run_auto(MULTI_NODE, tmp_path, **default_env(MULTI_NODE), NUM_GPUS="1")
+    assert argv is None and multi.launcher_value("--num_nodes") == "2"
+    bad = run(script(1, "tiny/run_tiny.sh"), tmp_path, LAUNCHER="torchrun")
+    assert bad.returncode == 2 and bad.argv is None and "LAUNCHER must be auto or deepspeed" in bad.stderr
 
 
 # -------------------------------------------------------------------------------------------- multi-node

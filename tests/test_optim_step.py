@@ -83,6 +83,50 @@ def test_guarded_optimizer_leaves_weights_and_state_untouched_on_a_nan_gradient(
     assert not opt.overflow and (w.detach() < 1).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_guard_finds_one_non_finite_entry_in_any_tensor(bad):
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (0,), (2, 2)]]  # (0,): an empty tensor
+    opt = guard_optimizer(torch.optim.AdamW(ws, lr=0.1))
+    for k in (0, 1, 3):
+        for w in ws:
+            w.grad = torch.randn_like(w) * 1e30  # large but finite: stepped
+        before = [w.detach().clone() for w in ws]
+        opt.step()
+        assert not opt.overflow and not torch.equal(ws[k].detach(), before[k])
+        ws[k].grad.view(-1)[-1] = bad
+        before = [w.detach().clone() for w in ws]
+        opt.step()
+        assert opt.overflow and all(torch.equal(w.detach(), b) for w, b in zip(ws, before))
+
+
+def test_cpu_optimizer_is_adamw_with_decoupled_decay():
+    """make_optimizer's CPU AdamW (fused) against a loop reference of AdamW (Loshchilov & Hutter) in float64."""
+    from marlhf.utils.ds_engine import make_optimizer
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    lr, wd, (b1, b2), eps = 0.01, 0.1, (0.9, 0.95), 1e-8
+    opt = make_optimizer([{"params": [w], "weight_decay": wd}, {"params": [b], "weight_decay": 0.0}], lr, False)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"]  # one kernel per step on the CPU
+    ref = {"w": (w.detach().clone(), wd), "b": (b.detach().clone(), 0.0)}
+    m = {k: torch.zeros_like(v) for k, (v, _) in ref.items()}
+    v2 = {k: torch.zeros_like(v) for k, (v, _) in ref.items()}
+    for t in range(1, 4):
+        grads = {"w": torch.randn(6, 4, dtype=torch.float64), "b": torch.randn(4, dtype=torch.float64)}
+        w.grad, b.grad = grads["w"].clone(), grads["b"].clone()
+        opt.step()
+        for k, (theta, decay) in ref.items():
+            theta.mul_(1 - lr * decay)
+            m[k] = b1 * m[k] + (1 - b1) * grads[k]
+            v2[k] = b2 * v2[k] + (1 - b2) * grads[k] ** 2
+            m_hat, v_hat = m[k] / (1 - b1 ** t), v2[k] / (1 - b2 ** t)
+            theta.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+        torch.testing.assert_close(w.detach(), ref["w"][0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(b.detach(), ref["b"][0], rtol=0, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------------- step 3, one rank
 @pytest.fixture(scope="module")
 def nano():

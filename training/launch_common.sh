@@ -247,6 +247,11 @@ dpo_flags() {
 # LAUNCHER_ARGS MAIN_PY FLAG... EXTRA_ARGS` (EXTRA_ARGS last, so its flags win), after resolve_world.  The
 # output goes to the terminal and LOG_FILE (default OUTPUT/training.log); with `set -o pipefail` in the
 # script, tee does not hide the launcher's exit status.
+# LAUNCHER=auto (the default) starts a run of one local process (WORLD 1, no HOSTFILE, no LAUNCHER_ARGS) as
+# `python -u MAIN_PY FLAG... EXTRA_ARGS` instead: for one rank the runner and its launch.py are two more
+# Python processes importing torch and DeepSpeed (3-4 s a step on a 2-core Xeon) and add nothing, as
+# main.py fills in the rank variables itself (marlhf.utils.dist.init_distributed; MASTER_PORT is passed on
+# when set).  LAUNCHER=deepspeed always uses the runner.
 run_main() {
     local main=$1 out_dir=$2
     shift 2
@@ -255,9 +260,21 @@ run_main() {
     local -a launcher_extra extra
     read -r -a launcher_extra <<< "${LAUNCHER_ARGS:-}"
     read -r -a extra <<< "${EXTRA_ARGS:-}"
+    case "${LAUNCHER:=auto}" in
+        auto) if (( WORLD == 1 )) && [[ -z "$HOSTFILE" && ${#launcher_extra[@]} == 0 ]]; then
+                  launch=(python -u)
+                  # as the runner does: the working directory first on PYTHONPATH
+                  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+                  if [[ -n "${MASTER_PORT:-}" ]]; then export MASTER_PORT; fi
+              fi ;;
+        deepspeed) ;;
+        *) die "LAUNCHER must be auto or deepspeed (got '$LAUNCHER')" ;;
+    esac
     LOG_FILE=${LOG_FILE:-$out_dir/training.log}
     mkdir -p "$out_dir" "$(dirname "$LOG_FILE")"
-    "${launch[@]}" "${launcher_extra[@]}" "$main" "$@" "${extra[@]}" 2>&1 | tee "$LOG_FILE"
+    launch+=("${launcher_extra[@]}" "$main")
+    echo "launch: ${launch[*]}" | tee "$LOG_FILE"
+    "${launch[@]}" "$@" "${extra[@]}" 2>&1 | tee -a "$LOG_FILE"
 }
 
 # run_step 1|2|3|dpo: the batch arithmetic, that step's flags from the size script's variables, and the

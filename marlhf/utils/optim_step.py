@@ -80,8 +80,11 @@ def guard_optimizer(optimizer):
     base = type(optimizer)
 
     def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self.overflow = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None and p.grad.numel()]
+        # max |g| is finite exactly when every entry is (amax propagates NaN): 0.8 ms for the tiny model's
+        # 39 tensors, where isfinite(g).all() per tensor took 5 ms
+        peaks = [g.abs().amax() for g in grads]
+        self.overflow = bool(peaks) and not bool(torch.isfinite(torch.stack(peaks)).all())
         if self.overflow:
             return None
         return base.step(self, closure)
