@@ -166,10 +166,14 @@ def test_gradient_checkpointing_takes_the_plain_forward():
         plain = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     model.train()
     _checkpointing(model, True)
+    seen.clear()
     with torch.no_grad():
-        model.eval()  # eval: the shared path again, same scores
+        model.eval()  # eval: the shared path again (prefix of the B chosen rows, then all 2B rows' rest)
         shared = sequence_scores(model, batch["input_ids"], batch["attention_mask"],
                                  prefix_width=batch["prefix_width"])
+    rows, width = batch["input_ids"].shape
+    P = batch["prefix_width"]
+    assert P > 0 and seen == [rows // 2 * P, rows * (width - P)]
     torch.testing.assert_close(shared, plain, rtol=1e-6, atol=1e-6)
 
 

@@ -312,7 +312,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     limit, k = min(len(a), len(b)) - 1, 0
     while k < limit and a[k] == b[k]:
         k += 1
-    return max(k, 0)
+    return k
 
 
 class PromptCollator:
