@@ -5,7 +5,7 @@ Like DeepSpeed-Chat's ``e2e_rlhf.py``: each step is its own launch script
 (``training/step*/training_scripts/<family>/run_<size>.sh``), run one after the other, each step's output
 feeding the next.  The default runs the embedded tiny model on the synthetic task on this machine's CPU:
 
-    python scripts/e2e_rlhf.py                       # 7 min on 2 Xeon cores, 10.4 min on 2 AMD EPYC cores
+    python scripts/e2e_rlhf.py                       # 4.6 min on 2 Xeon cores (10.4 min on AMD before -8%)
     python scripts/e2e_rlhf.py --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
 
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
