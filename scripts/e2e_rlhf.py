@@ -115,8 +115,10 @@ def print_summary(summary: dict) -> None:
     before, after = summary.get("initial_policy"), summary.get("final_policy")
     if before and after:
         print(f"{'held-out prompts':<22}{'SFT policy':>12}{'final policy':>14}")
-        # the gold score's components (gold_coverage, ...) follow its total: why a policy scores what it does
-        keys = ["rm_score", "gold_score"] + [k for k in before if k.startswith("gold_") and k != "gold_score"]
+        # each score's standard error over the answers follows it (what a difference is worth), and the gold
+        # score's components (gold_coverage, ...) its total: why a policy scores what it does
+        totals = ["rm_score", "rm_score_se", "gold_score", "gold_score_se"]
+        keys = totals + [k for k in before if k.startswith("gold_") and k not in totals]
         for key in keys + ["response_len", "eos_rate"]:
             if key in before and key in after:
                 print(f"{key:<22}{before[key]:>12.3f}{after[key]:>14.3f}")

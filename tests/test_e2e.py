@@ -29,6 +29,7 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
         assert {"rm_score", "gold_score", "response_len", "eos_rate"} <= summary[policy].keys()
         # the gold score's components are reported next to the total (issue 10)
         assert {f"gold_{k}" for k in GOLD_COMPONENTS} <= summary[policy].keys()
+        assert 0.0 < summary[policy]["gold_score_se"] < 1.0  # 8 answers: the score's standard error
     # step 3 started from step 1's model and step 2's reward model
     args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
     assert args3["actor_model_name_or_path"].endswith("run/step1")
@@ -36,3 +37,7 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert (tmp_path / "run/step3/actor/model.safetensors").exists()
     assert "SFT policy" in proc.stdout and "final policy" in proc.stdout
     assert "gold_coverage" in proc.stdout and "gold_unfinished" in proc.stdout and "eos_rate" in proc.stdout
+    assert "gold_score_se" in proc.stdout and "rm_score_se" in proc.stdout
+    # a one-rank launch script starts main.py itself, without the deepspeed runner (LAUNCHER=auto)
+    log = (tmp_path / "run/step1/training.log").read_text()
+    assert log.startswith("launch: python -u ") and "runner.py" not in log

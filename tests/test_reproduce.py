@@ -306,6 +306,48 @@ def test_held_out_kl_against_a_per_sample_loop(tmp_path):
     assert abs(got) > 1e-3
 
 
+def test_held_out_evaluation_reports_each_scores_standard_error(tmp_path):
+    """``<name>_score_se`` = sample standard deviation of the answers' scores / √n, for a plain source and for
+    one that explains itself (its ``total``), computed here from the scores the sources handed out."""
+    import statistics
+
+    from ppo_harness import make_trainer, rlhf_args
+
+    from marlhf import embedded
+    from marlhf.data.pipeline import build_phase_data
+    from marlhf.eval.policy import evaluate_policy
+
+    class Plain:  # a score per answer that varies: its length in characters, modulo 7
+        seen: list[float] = []
+
+        def score(self, prompts, responses, meta, ended=None):
+            out = [float(len(r) % 7) - 2.5 for r in responses]
+            self.seen += out
+            return out
+
+    class Explained:
+        components = ("twice",)
+        seen: list[float] = []
+
+        def details(self, prompts, responses, ended, meta):
+            rows = [{"total": 0.1 * len(r.split()), "twice": 0.2 * len(r.split())} for r in responses]
+            self.seen += [r["total"] for r in rows]
+            return rows
+
+    nano = embedded.prepare(size="nano").model_dir
+    args = rlhf_args(nano, tmp_path, max_eval_samples=10, per_device_generation_batch_size=4,
+                     per_device_training_batch_size=4)
+    t = make_trainer(args)
+    items = build_phase_data(args, t.tokenizer, phase=3).eval[:10]
+    plain, explained = Plain(), Explained()
+    got = evaluate_policy(t.rlhf.actor, t.tokenizer, items, args, {"p": plain, "x": explained})
+    for name, src in (("p", plain), ("x", explained)):
+        assert len(src.seen) == 10 and statistics.stdev(src.seen) > 0
+        assert got[f"{name}_score"] == pytest.approx(statistics.fmean(src.seen), abs=1e-6)
+        assert got[f"{name}_score_se"] == pytest.approx(statistics.stdev(src.seen) / 10 ** 0.5, rel=1e-6)
+    assert got["x_twice"] == pytest.approx(2 * got["x_score"], rel=1e-9)
+
+
 def test_held_out_evaluation_batch_is_independent_of_the_training_batch(tmp_path):
     """Held-out answers are one seeded stream batched by --per_device_eval_generation_batch_size (default: the
     training generation batch): a group estimator generating 2 prompts per batch evaluates exactly like PPO
