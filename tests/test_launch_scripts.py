@@ -46,6 +46,24 @@ echo "fake deepspeed: $# arguments"
 exit "${FAKE_DS_EXIT:-0}"
 """
 
+# The fake `python` of LAUNCHER=auto's direct launch: its arguments and the variables main.py would see.
+FAKE_PYTHON = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$FAKE_PY_ARGS"
+printf 'PYTHONPATH=%s\\nMASTER_PORT=%s\\n' "${PYTHONPATH:-}" "${MASTER_PORT:-unset}" > "$FAKE_PY_ARGS.env"
+echo "fake python: $# arguments"
+exit "${FAKE_PY_EXIT:-0}"
+"""
+
+
+def fake_bin(tmp_path: Path, python: bool = False) -> Path:
+    """tmp_path/fakebin with the fake launcher (and, with ``python``, the fake python) in it."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in {"deepspeed": FAKE_DEEPSPEED, **({"python": FAKE_PYTHON} if python else {})}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
 
 def script(step: int, rel: str) -> Path:
     return TRAINING / STEP_DIRS[step] / "training_scripts" / rel
@@ -85,11 +103,7 @@ def run(path: Path, tmp_path: Path, *args: str, **env: str) -> Launch:
 
     LAUNCHER=deepspeed unless ``env`` says otherwise, so that one-rank scripts are recorded as the runner's
     command line too (the direct one-rank launch of LAUNCHER=auto: test_one_local_rank_starts_main_directly)."""
-    bin_dir = tmp_path / "fakebin"
-    if not bin_dir.exists():
-        bin_dir.mkdir()
-        (bin_dir / "deepspeed").write_text(FAKE_DEEPSPEED)
-        (bin_dir / "deepspeed").chmod(0o755)
+    bin_dir = fake_bin(tmp_path)
     record = tmp_path / "deepspeed_args"
     record.unlink(missing_ok=True)
     full_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path),
@@ -591,23 +605,10 @@ def test_tiny_model_path_override(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- LAUNCHER=auto
-# A fake `python` records its arguments and the variables the launch hands main.py; the scripts run no other
-# python command.
-FAKE_PYTHON = """#!/usr/bin/env bash
-printf '%s\\0' "$@" > "$FAKE_PY_ARGS"
-printf 'PYTHONPATH=%s\\nMASTER_PORT=%s\\n' "${PYTHONPATH:-}" "${MASTER_PORT:-unset}" > "$FAKE_PY_ARGS.env"
-echo "fake python: $# arguments"
-exit "${FAKE_PY_EXIT:-0}"
-"""
-
-
 def run_auto(path: Path, tmp_path: Path, **env: str) -> tuple[Launch, list[str] | None, str]:
     """``run`` with LAUNCHER=auto (the default: LAUNCHER unset) and a fake python: (the launch, python's
     arguments or None, the variables it saw)."""
-    bin_dir = tmp_path / "fakebin"
-    run(path, tmp_path, LAUNCHER="deepspeed", NUM_GPUS="1")  # creates fakebin
-    (bin_dir / "python").write_text(FAKE_PYTHON)
-    (bin_dir / "python").chmod(0o755)
+    fake_bin(tmp_path, python=True)
     record = tmp_path / "python_args"
     for f in (record, Path(f"{record}.env")):
         f.unlink(missing_ok=True)

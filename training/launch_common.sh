@@ -249,9 +249,9 @@ dpo_flags() {
 # script, tee does not hide the launcher's exit status.
 # LAUNCHER=auto (the default) starts a run of one local process (WORLD 1, no HOSTFILE, no LAUNCHER_ARGS) as
 # `python -u MAIN_PY FLAG... EXTRA_ARGS` instead: for one rank the runner and its launch.py are two more
-# Python processes importing torch and DeepSpeed (3-4 s a step on a 2-core Xeon) and add nothing, as
-# main.py fills in the rank variables itself (marlhf.utils.dist.init_distributed; MASTER_PORT is passed on
-# when set).  LAUNCHER=deepspeed always uses the runner.
+# Python processes importing torch and DeepSpeed (5 s a step on a 2-core Xeon: 7.1 s to start against
+# 2.1 s) and add nothing, as main.py fills in the rank variables itself (marlhf.utils.dist.init_distributed;
+# MASTER_PORT is passed on when set).  LAUNCHER=deepspeed always uses the runner.
 run_main() {
     local main=$1 out_dir=$2
     shift 2

@@ -14,7 +14,6 @@ loads both.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import re
 from pathlib import Path
@@ -351,12 +350,11 @@ def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask:
     half, P = rows // 2, prefix_width
     prefix = base(input_ids=input_ids[:half, :P], attention_mask=attention_mask[:half, :P],
                   position_ids=positions[:half, :P], use_cache=True)
-    # transformers 5.24 renamed the KV cache `cache` (output field and forward argument; `past_key_values`
-    # warns there and goes in 5.40), 5.20-5.23 call it `past_key_values`
-    cache = prefix.get("cache")
-    cache = prefix.past_key_values if cache is None else cache
+    # transformers 5.24 renamed the KV cache `cache`, output field and forward argument alike (`past_key_values`
+    # warns there and goes in 5.40); 5.20-5.23 call both `past_key_values`
+    name = "cache" if "cache" in prefix else "past_key_values"
+    cache = prefix[name]
     cache.batch_select_indices(torch.arange(half, device=input_ids.device).repeat(2))  # pair i -> rows i, B + i
-    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     rest = base(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
                 use_cache=True, **{name: cache}).last_hidden_state
     return torch.cat([prefix.last_hidden_state.repeat(2, 1, 1), rest], dim=1)
