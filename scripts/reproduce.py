@@ -134,7 +134,8 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
     if not (args.sft and args.rm):
         extra = [f"--extra_args=--max_steps={QUICK_BASE_STEPS}"] if args.quick else []
         steps = [s for s, given in ((1, args.sft), (2, args.rm)) if not given]
-        cmd = [sys.executable, "scripts/e2e_rlhf.py", "--output_dir", str(base), "--step", *map(str, steps), *extra]
+        cmd = [sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(base), "--step", *map(str, steps),
+               *extra]
         env = {"MODEL_PATH": args.sft} if args.sft else {}
         commands.append(shlex.join(["python", *cmd[1:]]))
         if not (base / "summary.json").exists() and not args.report_only:
@@ -206,7 +207,7 @@ def real_track(args, root: Path) -> dict:
         summary = json.loads((out / v / "summary.json").read_text())
         samples = out / v / "samples.jsonl"
         if not samples.exists():  # three held-out answers of the final policy, greedy
-            run([sys.executable, "inference/generate.py", "--model", str(out / v), "--data_path", *data[1:2],
+            run([sys.executable, "-m", "marlhf.cli.generate", "--model", str(out / v), "--data_path", *data[1:2],
                  "--bad_rows", "skip", "--data_split", "2,4,4", "--data_seed", "1234", "--split", "eval",
                  "--max_prompts", "3", "--greedy", "--max_new_tokens", "64", "--output", str(samples),
                  "--no_progress"], {}, samples, False, args.lock)
@@ -219,7 +220,7 @@ def real_track(args, root: Path) -> dict:
 
 def dpo_track(args, root: Path, sft: str, rm: str, specs: list[sweep.RunSpec], commands: list[str]) -> dict | None:
     """DPO (App. C.3) on the reward model's preference pairs, its own budget (``--dpo_steps``), one run per seed.
-    The SFT and every DPO policy are evaluated by ``inference/eval_policy.py`` with a finished step-3 run's
+    The SFT and every DPO policy are evaluated by ``marlhf eval-policy`` with a finished step-3 run's
     own settings (its ``args.json``: held-out prompts, sampling, batch), so the numbers compare with the
     step-3 tables; a run's ``summary.json`` has step 3's layout (SFT = step 0, DPO = its last step)."""
     if not args.dpo_steps:
@@ -235,8 +236,9 @@ def dpo_track(args, root: Path, sft: str, rm: str, specs: list[sweep.RunSpec], c
 
     def evaluate(policy: str, where: Path) -> dict:
         if not (where / "eval.json").exists():
-            run([sys.executable, "inference/eval_policy.py", "--config", str(template), "--actor_model_name_or_path",
-                 policy, "--ref_model_name_or_path", sft, "--reward_model_name_or_path", rm,
+            run([sys.executable, "-m", "marlhf.cli.eval_policy", "--config", str(template),
+                 "--actor_model_name_or_path", policy, "--ref_model_name_or_path", sft,
+                 "--reward_model_name_or_path", rm,
                  "--critic_model_name_or_path", "", "--reward_source", "reward_model", "--output_dir", str(where),
                  "--disable_progress_bar"], {}, where / "eval.log", args.dry_run, args.lock)
         return {} if args.dry_run else json.loads((where / "eval.json").read_text())

@@ -4,6 +4,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,23 @@ def benepar_silver():
     return benepar_model.prepare()
 
 
-def load_main(path: Path):
-    """Import a step's main.py as a module (they are scripts, not package modules)."""
+def load_main(path: Path | str):
+    """The ``main`` of an entry point: a script such as a step's main.py (a Path), or a ``marlhf.cli`` module by
+    name (a str: ``"generate"`` is ``marlhf generate``)."""
+    import importlib
     import importlib.util
 
+    if isinstance(path, str):
+        return importlib.import_module(f"marlhf.cli.{path}").main
     spec = importlib.util.spec_from_file_location(f"main_{path.parent.name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.main
+
+
+def cli_cmd(name: str) -> list[str]:
+    """The command line of a ``marlhf.cli`` entry point in a new process (``python -m marlhf.cli.NAME``)."""
+    return [sys.executable, "-m", f"marlhf.cli.{name}"]
 
 
 def run_launcher(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -147,7 +147,7 @@ def test_step3_with_program_tests_runs_end_to_end(code_run):
 
 
 def test_step3_checkpoint_exports_actor_and_critic(code_run, tmp_path):
-    """inference/export.py --from_checkpoint on a step-3 run without a reward model: the actor and the critic
+    """marlhf export --from_checkpoint on a step-3 run without a reward model: the actor and the critic
     (which step 3 started from the actor, not from the embedded default) rebuilt from the DeepSpeed checkpoint
     of the last step give the logits / values of the run's own exported models."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer

@@ -1,4 +1,4 @@
-"""The README's main job: scripts/e2e_rlhf.py runs the tiny launch scripts of steps 1 → 2 → 3 in order,
+"""The README's main job: marlhf quickstart runs the tiny launch scripts of steps 1 → 2 → 3 in order,
 each step's output feeding the next (here with a few steps each; the quick start runs them in full)."""
 
 import json
@@ -15,7 +15,7 @@ from marlhf.data.synthetic import GOLD_COMPONENTS
 @pytest.mark.slow
 def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     env = {**os.environ, "DATA_OUTPUT_PATH": str(tmp_path / "data"), "MASTER_PORT": "29651"}
-    proc = subprocess.run([sys.executable, "scripts/e2e_rlhf.py", "--output_dir", str(tmp_path / "run"),
+    proc = subprocess.run([sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(tmp_path / "run"),
                            "--extra_args=--max_steps=3", "--extra_args=--max_eval_samples=8",
                            "--extra_args=--disable_progress_bar"],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)

@@ -1,4 +1,4 @@
-"""inference/export.py: a tiny step-1 run exports to a clean HF folder that plain transformers loads with the
+"""marlhf export: a tiny step-1 run exports to a clean HF folder that plain transformers loads with the
 source model's logits, a card naming data and final metrics; a LoRA adapter folder is merged; a folder that
 is no step output is a one-line user error."""
 
@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, STEP1, TINY_DATA, load_main
+from conftest import STEP1, TINY_DATA, load_main
 
 from marlhf.errors import run_cli
 from marlhf.utils.tracking import read_metrics
 
-EXPORT = REPO / "inference/export.py"
+EXPORT = "export"
 EOT = "<|endoftext|>"
 
 

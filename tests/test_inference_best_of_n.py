@@ -1,4 +1,4 @@
-"""inference/best_of_n.py on the nano embedded model with a seeded reward model: the table equals a loop
+"""marlhf best-of-n on the nano embedded model with a seeded reward model: the table equals a loop
 reference computed from the very samples it wrote; the picked reward-model score never falls as N grows over
 nested prefixes; CSV / JSON / PNG are written."""
 
@@ -6,12 +6,12 @@ import csv
 import json
 
 import torch
-from conftest import REPO, load_main, save_seeded_reward_model
+from conftest import load_main, save_seeded_reward_model
 
 from marlhf.errors import run_cli
 from marlhf.eval.best_of_n import best_of_n
 
-BEST_OF_N = REPO / "inference/best_of_n.py"
+BEST_OF_N = "best_of_n"
 
 
 def reference(samples: list[dict], temperature: float, n: int) -> dict:

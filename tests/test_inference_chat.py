@@ -1,17 +1,16 @@
-"""inference/chat.py driven through a pseudo-terminal: two turns with the first turn and its answer in the
+"""marlhf chat driven through a pseudo-terminal: two turns with the first turn and its answer in the
 second prompt, /reset forgets them, /quit and end of input (Ctrl-D) exit with status 0."""
 
 import os
 import re
 import select
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, cli_cmd
 
-CHAT = REPO / "inference/chat.py"
+CHAT = "chat"
 
 
 class Terminal:
@@ -20,7 +19,7 @@ class Terminal:
     def __init__(self, argv):
         self.master, slave = os.openpty()
         env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "dumb"}
-        self.proc = subprocess.Popen([sys.executable, str(CHAT), *argv], stdin=slave, stdout=slave,
+        self.proc = subprocess.Popen([*cli_cmd(CHAT), *argv], stdin=slave, stdout=slave,
                                      stderr=subprocess.DEVNULL, env=env, close_fds=True)
         os.close(slave)
         self.seen = ""

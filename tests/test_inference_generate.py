@@ -1,4 +1,4 @@
-"""inference/generate.py: N samples per prompt into JSON lines; a run SIGKILLed midway (plus a torn last line)
+"""marlhf generate: N samples per prompt into JSON lines; a run SIGKILLed midway (plus a torn last line)
 and started again ends with the same bytes as an uninterrupted run; a step-3 output folder samples from its
 actor; resuming with other settings is refused."""
 
@@ -7,15 +7,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO, load_main
+from conftest import REPO, cli_cmd, load_main
 
 from marlhf.errors import run_cli
 
-GENERATE = REPO / "inference/generate.py"
+GENERATE = "generate"
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def test_killed_run_resumes_to_identical_file(nano, prompts_file, tmp_path):
     marker = tmp_path / "marker"
     env = {**os.environ, "MARLHF_TEST_PAUSE": "generate:1", "MARLHF_TEST_PAUSE_MARKER": str(marker),
            "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(GENERATE), *argv(nano, prompts_file, part)], env=env,
+    proc = subprocess.Popen([*cli_cmd(GENERATE), *argv(nano, prompts_file, part)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120

@@ -1,15 +1,15 @@
-"""inference/judge.py with a local judge (reward model or gold scorer) through the same comparison as the API
+"""marlhf judge with a local judge (reward model or gold scorer) through the same comparison as the API
 judge, and the JSONL readers of judge.py and pass_at_k.py naming file, row and field of a bad row."""
 
 import json
 
 import pytest
-from conftest import REPO, load_main, save_seeded_reward_model
+from conftest import load_main, save_seeded_reward_model
 
 from marlhf.errors import run_cli
 
-JUDGE = REPO / "inference/judge.py"
-PASS_AT_K = REPO / "inference/pass_at_k.py"
+JUDGE = "judge"
+PASS_AT_K = "pass_at_k"
 
 
 @pytest.fixture(scope="module")

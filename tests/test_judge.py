@@ -9,13 +9,13 @@ import logging
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import cli_cmd
 
 from marlhf.eval import judge as jm
 from marlhf.eval.judge import (
@@ -279,7 +279,7 @@ def test_judge_cli_end_to_end(endpoint, tmp_path):
     a.write_text("".join(json.dumps({"prompt": p, "response": " GOOD reply\n\nHuman: more"}) + "\n" for p in prompts))
     b.write_text("".join(json.dumps({"prompt": p, "response": " weak reply"}) + "\n" for p in prompts))
     env = {**os.environ, "PYTHONPATH": str(repo), "JUDGE_KEY": KEY}
-    cmd = [sys.executable, str(repo / "inference/judge.py"), "--task", "dialogue", "--a", str(a), "--b", str(b),
+    cmd = [*cli_cmd("judge"), "--task", "dialogue", "--a", str(a), "--b", str(b),
            "--base_url", url, "--model", "m", "--api_key_env", "JUDGE_KEY", "--cache_dir", str(tmp_path / "c"),
            "--output", str(tmp_path / "out.jsonl"), "--seed", "5"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

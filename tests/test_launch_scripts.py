@@ -547,7 +547,7 @@ def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(em
     """tests/test_gold_rl.py starts its RL runs from the SFT model the sweep recorded (docs/results/runs/base/
     step1, the quick start's step 1 at seed 1234) instead of training it again (~7 minutes on 2 CPU cores):
     that model must be what the current tiny step-1 script trains.  When this fails, re-record it with
-    ``python scripts/e2e_rlhf.py --step 1`` (or a new sweep) and copy the step-1 folder there."""
+    ``marlhf quickstart --step 1`` (or a new sweep) and copy the step-1 folder there."""
     from transformers import AutoTokenizer
 
     recorded = json.loads((RECORDED_SFT / "args.json").read_text())

@@ -145,7 +145,7 @@ def test_two_ranks_zero3_exports_gathered_weights(zero3, work, embedded):
 
 
 def test_two_ranks_zero3_checkpoint_exports_the_trained_model(zero3, tmp_path):
-    """inference/export.py --from_checkpoint merges the two ranks' ZeRO-3 partitions into the trained model."""
+    """marlhf export --from_checkpoint merges the two ranks' ZeRO-3 partitions into the trained model."""
     from transformers import AutoModelForCausalLM
 
     from marlhf.utils.model_card import export_step_output

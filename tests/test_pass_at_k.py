@@ -4,6 +4,7 @@ import itertools
 import math
 
 import pytest
+from conftest import cli_cmd
 
 from marlhf.eval.pass_at_k import pass_at_k, pass_at_k_table
 
@@ -50,7 +51,6 @@ def test_cli_runs_programs_in_the_sandbox(tmp_path):
     import json
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     repo = Path(__file__).parents[1]
@@ -62,7 +62,7 @@ def test_cli_runs_programs_in_the_sandbox(tmp_path):
             {"problem_id": "0001", "response": "syntax error("}]
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, str(repo / "inference/pass_at_k.py"), "--problems", str(apps),
+    out = subprocess.run([*cli_cmd("pass_at_k"), "--problems", str(apps),
                           "--samples", str(samples), "--k", "1", "2", "--workers", "2"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
     assert out.returncode == 0, out.stderr

@@ -213,7 +213,7 @@ def test_quick_sweep_end_to_end(tmp_path):
         mean = sum(finals) / 2
         label = sweep.VARIANTS[variant].label
         assert re.match(rf"{mean:.3f} ± ", rows[label][2]), (rows[label], finals)
-    # DPO, its own budget: the SFT evaluated by inference/eval_policy.py with a step-3 run's settings is that
+    # DPO, its own budget: the SFT evaluated by marlhf eval-policy with a step-3 run's settings is that
     # run's step 0, number for number; the report's DPO row is the mean of its runs' final evaluations
     sft_eval = json.loads((out / "dpo" / "sft_eval" / "eval.json").read_text())
     step0 = json.loads((out / "gold" / "ppo" / "seed1" / "initial_policy.json").read_text())

@@ -1,4 +1,4 @@
-"""inference/rm_eval.py: per-policy reward statistics equal a hand computation over directly computed
+"""marlhf rm-eval: per-policy reward statistics equal a hand computation over directly computed
 scores, shifts are relative to the baseline, the gold scorer joins on the embedded task, the PNG is a real
 image, and bad rows / unknown baselines are one-line user errors."""
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, load_main, save_seeded_reward_model
+from conftest import load_main, save_seeded_reward_model
 
 from marlhf.data.records import DataError
 from marlhf.data.synthetic import SyntheticConfig, generate, gold_score
@@ -15,7 +15,7 @@ from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.score_report import read_generations, summarize
 from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
 
-RM_EVAL = REPO / "inference/rm_eval.py"
+RM_EVAL = "rm_eval"
 EOT = "<|endoftext|>"
 
 

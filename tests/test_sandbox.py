@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import cli_cmd
 
 from marlhf.code import sandbox as sb
 from marlhf.code.apps import extract_code, load_problem, unit_tests_of
@@ -330,7 +331,7 @@ def test_without_namespaces_sockets_are_blocked_and_orphans_killed():
 def test_execute_cli(tmp_path):
     program = tmp_path / "prog.py"
     program.write_text("```python\ndef is_prime(n):\n    return n in (2, 5, 29, 53)\n```")
-    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "inference/execute.py"),
+    out = subprocess.run([*cli_cmd("execute"),
                           "--problem", str(APPS / "4184"), "--program", str(program), "--time_limit", "2"],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
@@ -339,7 +340,7 @@ def test_execute_cli(tmp_path):
     assert (row["verdict"], row["passed"], row["total"], row["reward"]) == ("pass", 8, 8, 1.0)
     assert row["tests"] == ["pass"] * 8
     program.write_text("import os\nos.kill(os.getppid(), 9)\nwhile True: pass")
-    bad = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "inference/execute.py"),
+    bad = subprocess.run([*cli_cmd("execute"),
                           "--problem", str(APPS / "0001"), "--program", str(program), "--time_limit", "1"],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})

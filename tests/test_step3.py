@@ -127,7 +127,8 @@ def test_mixed_precision_lora_needs_lora_and_zero3(nano, tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_actor_zero2_critic_zero3(nano, tmp_path):
-    run_launcher([*deepspeed_cmd(2, 29621), str(STEP3),
+    """Launched as a user of the installed package launches it (README): ``deepspeed --module marlhf.cli.ppo``."""
+    run_launcher([*deepspeed_cmd(2, 29621), "--module", "marlhf.cli.ppo",
                   *step3_argv(nano, tmp_path, "--actor_zero_stage", "2", "--critic_zero_stage", "3",
                               "--max_steps", "2", "--ngram", "5", "--save_steps", "2")], timeout=600)
     rows = train_rows(tmp_path)

@@ -188,7 +188,7 @@ def test_reward_model_loads_as_sequence_classifier(reward_run):
 
 def test_reward_model_with_likelihood_term(sft_run, tmp_path):
     """--likelihood_term: the exported folder scores prompt + answer as its score head plus α times the answer's
-    log-likelihood under its next-token head; α is learnt; inference/export.py keeps the term."""
+    log-likelihood under its next-token head; α is learnt; marlhf export keeps the term."""
     from marlhf.eval.reward import LikelihoodScorer, Scorer, _items
 
     out = tmp_path / "rm"
@@ -215,10 +215,9 @@ def test_reward_model_with_likelihood_term(sft_run, tmp_path):
         heads = [rm.model(input_ids=torch.tensor([x["input_ids"]])).logits[0, 0].item() for x in items]
     alpha = rm.model.likelihood.scale.item()
     assert got == pytest.approx([h + alpha * ll for h, ll in zip(heads, lm(prompts, answers))], abs=1e-4)
-    # inference/export.py keeps the term (and says so on the model card)
-    from conftest import REPO
+    # marlhf export keeps the term (and says so on the model card)
 
-    load_main(REPO / "inference/export.py")(["--input", str(out), "--output_dir", str(tmp_path / "release")])
+    load_main("export")(["--input", str(out), "--output_dir", str(tmp_path / "release")])
     assert Scorer(str(tmp_path / "release"))(prompts, answers) == pytest.approx(got, abs=1e-5)
     assert "--likelihood_term" in (tmp_path / "release" / "README.md").read_text()
 

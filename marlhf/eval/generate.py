@@ -98,7 +98,7 @@ def policy_folder(path: str, model: str = "actor") -> str:
     src = locate(path, model)
     if src.adapter_only:
         raise ConfigError(f"{src.model_dir}: a LoRA adapter without merged weights; merge it first with "
-                          f"python inference/export.py --input {src.model_dir} --output_dir MERGED")
+                          f"marlhf export --input {src.model_dir} --output_dir MERGED")
     return str(src.model_dir)
 
 

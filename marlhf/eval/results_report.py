@@ -287,7 +287,7 @@ def dpo_section(dpo: dict, rows: list[dict] | None) -> list[str]:
         return lines + [f"Not in this report: {dpo['skipped']}.", ""]
     lines += [f"DPO (App. C.3; sigmoid loss, β 0.1, the tiny DPO launch script) from the same SFT model, "
               f"{dpo['steps']} optimizer steps on the reward model's preference pairs, seeds "
-              f"{rows[1]['seeds']}. The SFT and each DPO policy are evaluated by `inference/eval_policy.py` "
+              f"{rows[1]['seeds']}. The SFT and each DPO policy are evaluated by `marlhf eval-policy` "
               "with a step-3 run's own settings, so the SFT row equals the step-3 runs' step 0 and every "
               "column compares with the tables above.", "",
               "| policy | gold | RM | KL | length | EOS | coverage | invented | repeated | implicit-reward accuracy |",

@@ -1,6 +1,6 @@
 """Reward-model scoring of prompt/response pairs, tokenized exactly as step 2 trains on them.
 
-One copy for every tool that scores with a reward model (``rw_eval.py``, ``inference/rm_eval.py``)."""
+One copy for every tool that scores with a reward model (``rw_eval.py``, ``marlhf rm-eval``)."""
 
 from __future__ import annotations
 

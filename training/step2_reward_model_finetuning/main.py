@@ -1,41 +1,13 @@
 #!/usr/bin/env python
-"""Step 2: reward model = base LM + scalar head, trained with the pairwise loss -log σ(r⁺ - r⁻).
+"""Step 2: reward model — DeepSpeed-Chat's entry point, run by the launch scripts beside it.
 
-    deepspeed training/step2_reward_model_finetuning/main.py --model_name_or_path out/sft --output_dir out/rm
-
-The result loads in plain transformers as AutoModelForSequenceClassification (score at the last real
-token) and, in step 3, as both the critic and the reward model.  With --likelihood_term the score adds
-α · Σ log p(answer) under a next-token head started from the SFT model's (marlhf.models.loading.LikelihoodTerm);
-plain transformers then loads the score head only, load_reward_model both.
+The code is `marlhf.cli.rm`: the same as `marlhf rm FLAGS` or `deepspeed --module marlhf.cli.rm FLAGS`.
 """
 
 import sys
 
-from marlhf.config import RewardArgs, parse_args
-from marlhf.data.pipeline import build_phase_data
+from marlhf.cli.rm import main
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_reward_model, run_tokenizer
-from marlhf.supervised import reward_objective, train
-from marlhf.utils.checkpoint import export_hf
-from marlhf.utils.run import setup_run
-
-
-def main(argv=None):
-    args, _ = parse_args(RewardArgs, argv)
-    setup_run(args)
-    # 1. tokenizer and the reward-model share of the data: (chosen, rejected) pairs
-    tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
-    data = build_phase_data(args, tokenizer, phase=2)
-    # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
-    model = load_reward_model(args.model_name_or_path, tokenizer, args.dropout, likelihood_term=args.likelihood_term)
-    if args.lora_dim > 0:
-        model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
-    # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)
-    objective = reward_objective(tokenizer.pad_token_id, args.label_smoothing, args.reward_loss)
-    engine = train(args, model, tokenizer, data.train, data.eval, objective)
-    # 4. export as a Hugging Face sequence-classification model
-    export_hf(engine, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
-
 
 if __name__ == "__main__":
     sys.exit(run_cli(main))

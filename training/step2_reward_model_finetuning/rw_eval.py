@@ -1,113 +1,13 @@
 #!/usr/bin/env python
-"""Score prompt/response pairs with a step-2 reward model.
+"""Score prompt/response pairs with a step-2 reward model — DeepSpeed-Chat's rw_eval.py.
 
-    python rw_eval.py --model_name_or_path out/rm --prompt "POST: ...\\nTL;DR:" \\
-        --response " a summary" --response " another summary"
-    python rw_eval.py --model_name_or_path out/rm --input pairs.jsonl --output scores.jsonl
-    python rw_eval.py --model_name_or_path out/rm --data_path Anthropic/hh-rlhf:/data/hh-rlhf
-
-An input file (json, jsonl or parquet) has rows with `prompt` and either `response`, or `chosen` and
-`rejected` (then the pair accuracy is reported too).  ``--data_path`` takes the dataset specs of training
-(hub names, NAME:LOCAL_PATH, files, synthetic) and scores the evaluation pairs step 2 evaluates on (the
-test split, or the same held-out slice under the same --data_split / --seed / --eval_fraction).
-Prompts are formatted and responses end with the end-of-conversation token exactly as in training: both
-are read from the model folder (conversation_format.json); the flags only override them.
+The code is `marlhf.cli.rw_eval`: the same as `marlhf rw-eval FLAGS`.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-from marlhf.config import BaseArgs
-from marlhf.data.adapters.files import iter_file_rows
-from marlhf.data.pipeline import phase_records
-from marlhf.data.records import BadRowPolicy, DataError, require_text
+from marlhf.cli.rw_eval import main
 from marlhf.errors import run_cli
-from marlhf.eval.reward import Scorer
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_name_or_path", required=True)
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--response", action="append", default=[])
-    p.add_argument("--input", default=None, help="JSON lines with prompt + response, or prompt + chosen + rejected")
-    p.add_argument("--data_path", nargs="+", default=None,
-                   help="Dataset specs as in training; their evaluation pairs are scored")
-    p.add_argument("--data_split", default=BaseArgs.data_split)
-    p.add_argument("--seed", type=int, default=BaseArgs.seed)
-    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
-    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
-    p.add_argument("--max_eval_samples", type=int, default=0, help="Score at most this many pairs (0 = all)")
-    p.add_argument("--output", default=None, help="Write one JSON line of scores per input row here")
-    p.add_argument("--end_of_conversation_token", default="",
-                   help="Default: the one recorded with the model (else the tokenizer's own)")
-    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"),
-                   help="Default: the one recorded with the model")
-    p.add_argument("--max_seq_len", type=int, default=1024)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors (bad file, missing model)")
-    return p.parse_args(argv)
-
-
-def dataset_rows(args) -> list[dict]:
-    """The evaluation pairs of ``--data_path`` as step 2 evaluates them, as prompt/chosen/rejected rows."""
-    policy = BadRowPolicy(args.bad_rows)
-    _, records = phase_records(args.data_path, args.data_split, 2, args.seed, args.eval_fraction, policy)
-    rows = [{"prompt": r.prompt, "chosen": r.chosen, "rejected": r.rejected} if r.rejected is not None
-            else {"prompt": r.prompt, "response": r.chosen} for r in records]
-    if policy.num_skipped:
-        print(policy.summary(), file=sys.stderr)
-    return rows[:args.max_eval_samples] if args.max_eval_samples else rows
-
-
-def read_rows(path: str) -> list[dict]:
-    """Rows of a json/jsonl/parquet file, each checked for prompt + response or prompt + chosen + rejected."""
-    rows = []
-    for file, n, row in iter_file_rows(Path(path)):
-        if isinstance(row, DataError):
-            raise row
-        require_text(row, "prompt", file, n)
-        for field in ("response",) if "response" in row else ("chosen", "rejected"):
-            require_text(row, field, file, n)
-        rows.append(row)
-    return rows
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    scorer = Scorer(args.model_name_or_path, args.end_of_conversation_token, args.max_seq_len, args.prompt_format)
-    if args.input or args.data_path:
-        rows = read_rows(args.input) if args.input else dataset_rows(args)
-        results = []
-        singles = [r for r in rows if "response" in r]
-        pairs = [r for r in rows if "response" not in r]
-        s = scorer([r["prompt"] for r in singles], [r["response"] for r in singles], args.batch_size)
-        results += [{"prompt": r["prompt"], "response": r["response"], "score": v} for r, v in zip(singles, s)]
-        if pairs:
-            c = scorer([r["prompt"] for r in pairs], [r["chosen"] for r in pairs], args.batch_size)
-            j = scorer([r["prompt"] for r in pairs], [r["rejected"] for r in pairs], args.batch_size)
-            results += [{"prompt": r["prompt"], "chosen_score": a, "rejected_score": b}
-                        for r, a, b in zip(pairs, c, j)]
-            acc = sum(a > b for a, b in zip(c, j)) / len(pairs)
-            print(f"pairs: {len(pairs)}  accuracy {acc:.4f}  mean chosen {sum(c) / len(c):.4f}  "
-                  f"mean rejected {sum(j) / len(j):.4f}")
-        if singles:
-            print(f"responses: {len(singles)}  mean score {sum(s) / len(s):.4f}")
-        if args.output:
-            with open(args.output, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in results)
-        return 0
-    if args.prompt is None or not args.response:
-        print("give --prompt and one or more --response, --input FILE or --data_path SPEC", file=sys.stderr)
-        return 2
-    for response, score in zip(args.response, scorer([args.prompt] * len(args.response), args.response)):
-        print(f"{score:+.4f}\t{response!r}")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(run_cli(main))

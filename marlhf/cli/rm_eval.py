@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Reward distributions of several policies: score their generations with a reward model (and, on the
 embedded task, its gold scorer), print per-policy statistics and mean shifts against a baseline policy,
 write a JSON report and a PNG of the distributions (the paper's Figs. 3 and 10).
 
-    python inference/rm_eval.py --reward_model out/step2 --generations sft.jsonl ppo.jsonl ma_ppo.jsonl \\
+    marlhf rm-eval --reward_model out/step2 --generations sft.jsonl ppo.jsonl ma_ppo.jsonl \\
         --baseline sft --output_json report.json --output_png scores.png
 
 Generations: JSON lines with ``prompt``, ``response`` and ``policy`` per row (one file per policy, or one

@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Export a training step's output folder as a clean Hugging Face model folder with a model card.
 
-    python inference/export.py --input out/sft --output_dir release/sft
-    python inference/export.py --input out/ppo --model actor --output_dir release/ma-ppo   # step 3
-    python inference/export.py --input out/sft/lora_adapter --output_dir release/sft-merged  # merge LoRA
-    python inference/export.py --input out/ppo --from_checkpoint --output_dir release/ppo-ckpt  # a stopped run
+    marlhf export --input out/sft --output_dir release/sft
+    marlhf export --input out/ppo --model actor --output_dir release/ma-ppo   # step 3
+    marlhf export --input out/sft/lora_adapter --output_dir release/sft-merged  # merge LoRA
+    marlhf export --input out/ppo --from_checkpoint --output_dir release/ppo-ckpt  # a stopped run
 
 The result holds safetensors weights, a config with ``use_cache: true``, the tokenizer, a generation config
 that stops at the end-of-conversation token the model was trained with, ``conversation_format.json``, and a

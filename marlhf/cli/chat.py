@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Talk to a policy, turn by turn, in its task's dialogue format (HH "Human: … Assistant:" by default).
 
-    python inference/chat.py --model out/step3
-    python inference/chat.py --model out/step1 --task dialogue --temperature 0.7 --show_prompt
+    marlhf chat --model out/step3
+    marlhf chat --model out/step1 --task dialogue --temperature 0.7 --show_prompt
 
 The history of the conversation is part of every prompt.  Commands: ``/reset`` forgets the history,
 ``/quit`` (or end of input, Ctrl-D) leaves.  ``--show_prompt`` prints the exact text the model reads before

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Sample answers of a policy to prompts from a file or a dataset split, into a resumable JSON-lines file.
 
-    python inference/generate.py --model out/step3 --data_path synthetic --split eval --output ppo.jsonl
-    python inference/generate.py --model out/step1 --prompts prompts.jsonl --num_samples 4 --temperature 0.8 \\
+    marlhf generate --model out/step3 --data_path synthetic --split eval --output ppo.jsonl
+    marlhf generate --model out/step1 --prompts prompts.jsonl --num_samples 4 --temperature 0.8 \\
         --seed 7 --output sft.jsonl
 
 ``--model``: any Hugging Face folder, a step's output (step 3's ``actor/`` is used, or ``--model_part``), or

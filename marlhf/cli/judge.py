@@ -2,7 +2,7 @@
 (the paper's GPT-4 evaluation, §4.1 and App. F.1).
 
     export OPENAI_API_KEY=...            # read from the environment (or --api_key_file), never logged
-    python inference/judge.py --task dialogue --a sft.jsonl --b ppo.jsonl \\
+    marlhf judge --task dialogue --a sft.jsonl --b ppo.jsonl \\
         --base_url https://api.openai.com/v1 --model gpt-4o --output judged.jsonl
 
 ``--a`` / ``--b``: jsonl rows {"prompt": ..., "response": ...}, row k of both files for the same prompt.
@@ -15,7 +15,7 @@ A local judge goes through the same comparison (order randomised, recorded, undo
 ``--judge reward_model --reward_model out/step2`` (the higher reward-model score wins) or ``--judge gold``
 (the embedded task's gold scorer; it sees the answer text only, not whether generation ended):
 
-    python inference/judge.py --task summarization --a ppo.jsonl --b sft.jsonl --judge gold
+    marlhf judge --task summarization --a ppo.jsonl --b sft.jsonl --judge gold
 """
 
 import argparse

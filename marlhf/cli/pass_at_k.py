@@ -1,6 +1,6 @@
 """pass@k of generated programs on APPS problems, per difficulty and overall (paper §4.4, Table 3).
 
-    python inference/pass_at_k.py --problems APPS_SPLIT_DIR --samples samples.jsonl --k 1 5 --workers 2
+    marlhf pass-at-k --problems APPS_SPLIT_DIR --samples samples.jsonl --k 1 5 --workers 2
 
 ``samples.jsonl`` rows: {"problem_id": "0001", "response": "..."} (a model response: its code block is
 extracted) — every problem needs at least max(k) samples.  Each sample runs in the sandbox; a sample is

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Best-of-N: the reward model picks the best of N sampled answers per prompt; its score (and, on the embedded
 task, the gold score of the picked answer) over N and temperature, as a table and a PNG (paper Fig. 8, D.4).
 
-    python inference/best_of_n.py --model out/step3 --reward_model out/step2 --data_path synthetic \\
+    marlhf best-of-n --model out/step3 --reward_model out/step2 --data_path synthetic \\
         --n 4 8 16 32 --temperatures 0.2 0.4 0.6 0.8 1.0 1.2 --max_prompts 32 \\
         --output_csv bon.csv --output_json bon.json --output_png bon.png
 

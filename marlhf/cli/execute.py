@@ -1,6 +1,6 @@
 """Run one program against one APPS problem folder in the sandbox and print one JSON line.
 
-    python inference/execute.py --problem DIR --program FILE [--time_limit S] [--memory_mb M] [--workers W]
+    marlhf execute --problem DIR --program FILE [--time_limit S] [--memory_mb M] [--workers W]
 
 The line holds verdict, passed, total, reward (paper B.5) and the per-test verdicts and details.  The exit
 status is 0 whatever the program did: its misbehaviour is a verdict, not an error of this tool.  A fenced

@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """Held-out evaluation of a trained policy exactly as step 3 evaluates its actor: the same held-out prompts,
 sampling settings, seed and scores (reward model, gold scorer on the embedded task, program tests), and the
 KL to a reference policy.  What makes a DPO model, an SFT model and a step-3 actor comparable number for
 number (``scripts/reproduce.py`` uses it for DPO; a step-3 run's ``summary.json`` holds the same fields).
 
-    python inference/eval_policy.py --actor_model_name_or_path out/dpo --ref_model_name_or_path out/step1 \\
+    marlhf eval-policy --actor_model_name_or_path out/dpo --ref_model_name_or_path out/step1 \\
         --reward_model_name_or_path out/step2 --data_path synthetic --data_seed 1234 --max_eval_samples 64 \\
         --output_dir out/dpo-eval
 

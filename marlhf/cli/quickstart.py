@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Run the whole pipeline — step 1 (SFT) → step 2 (reward model) → step 3 (MA-PPO) — with one command.
 
 Like DeepSpeed-Chat's ``e2e_rlhf.py``: each step is its own launch script
 (``training/step*/training_scripts/<family>/run_<size>.sh``), run one after the other, each step's output
 feeding the next.  The default runs the embedded tiny model on the synthetic task on this machine's CPU:
 
-    python scripts/e2e_rlhf.py                       # 4.6 min on 2 Xeon cores (10.4 min on AMD before -8%)
-    python scripts/e2e_rlhf.py --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
+    marlhf quickstart
+    marlhf quickstart --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
 
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
 the gold score where the task has one), plus the step-1 perplexity and step-2 accuracy.
@@ -22,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: marlhf/cli/quickstart.py
 STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning", 3: "step3_rlhf_finetuning"}
 SIZES = {  # --size -> (family folder, script name)
     "tiny": ("tiny", "run_tiny.sh"),
@@ -53,6 +52,10 @@ def parse_args(argv=None):
 
 
 def script_for(step: int, size: str) -> Path:
+    if not (REPO / "training" / "launch_common.sh").exists():
+        raise SystemExit("marlhf quickstart runs the launch scripts of a checkout (training/step*/training_scripts), "
+                         f"which this install ({REPO}) lacks: clone the repository and `pip install -e .` in it. "
+                         "The steps themselves need no checkout: marlhf sft | rm | ppo.")
     family, name = SIZES[size]
     path = REPO / "training" / STEP_DIRS[step] / "training_scripts" / family / name
     if not path.exists():

@@ -1,0 +1,71 @@
+"""The installed ``marlhf`` command: its subcommands, their grouped --help, and the errors of a bad call.
+(The 2-rank ``deepspeed --module marlhf.cli.ppo`` run is tests/test_step3.py's two-rank test; the README's
+own-model commands run in tests/test_readme.py.)"""
+
+import importlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marlhf.cli import COMMANDS
+from marlhf.cli.main import main as marlhf_main
+
+# one subcommand per entry point of the old layout, and the main job
+EXPECTED = {"sft", "rm", "dpo", "ppo", "quickstart", "generate", "rm-eval", "rw-eval", "eval-policy", "judge",
+            "best-of-n", "pass-at-k", "execute", "chat", "export"}
+
+
+def test_every_entry_point_is_a_subcommand_with_a_main():
+    assert set(COMMANDS) == EXPECTED
+    for name, (module, _) in COMMANDS.items():
+        assert callable(importlib.import_module(f"marlhf.cli.{module}").main), name
+
+
+def test_console_script_lists_every_subcommand_with_one_line():
+    exe = shutil.which("marlhf", path=str(Path(sys.executable).parent))
+    assert exe, "pip install -e . installs the marlhf console script beside python"
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert listed == EXPECTED
+    assert "--module marlhf.cli." in out.stdout  # how to run it on several GPUs
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_subcommand_help(name, capsys):
+    with pytest.raises(SystemExit) as stop:
+        marlhf_main([name, "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: marlhf {name}")
+
+
+def test_training_help_groups_flags_by_section(capsys):
+    with pytest.raises(SystemExit):
+        marlhf_main(["ppo", "--help"])
+    text = capsys.readouterr().out
+    sections = ["data:", "optimisation:", "DeepSpeed / precision:", "LoRA:", "models:", "reward source:",
+                "PPO, sampling and macro actions:", "advantage estimator:"]
+    at = [text.index(f"\n{s}\n") for s in sections]  # each a group heading of its own
+    assert at[:4] == sorted(at[:4])
+    # a flag sits under its own section: --ngram after "PPO, sampling ..." and before "reward source"
+    assert text.index("PPO, sampling and macro actions:") < text.index("--ngram") < text.index("\nreward source:")
+    assert text.index("\ndata:\n") < text.index("--data_path") < text.index("\noptimisation:\n")
+
+
+def test_unknown_subcommand_exits_2_and_suggests(capsys):
+    assert marlhf_main(["rm_eval"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'rm_eval'" in err and "did you mean 'rm-eval'" in err
+    assert marlhf_main([]) == 0 and "subcommands:" in capsys.readouterr().out
+
+
+def test_a_user_error_through_the_command_is_one_line_and_status_1(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "marlhf", "sft", "--model_name_or_path", str(tmp_path / "nope"),
+                          "--output_dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "nope" in last and "Traceback" not in out.stderr
