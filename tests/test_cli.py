@@ -14,7 +14,7 @@ from marlhf.cli import COMMANDS
 from marlhf.cli.main import main as marlhf_main
 
 # one subcommand per entry point of the old layout, and the main job
-EXPECTED = {"sft", "rm", "dpo", "ppo", "quickstart", "generate", "rm-eval", "rw-eval", "eval-policy", "judge",
+EXPECTED = {"sft", "rm", "label", "dpo", "ppo", "quickstart", "generate", "rm-eval", "rw-eval", "eval-policy", "judge",
             "best-of-n", "pass-at-k", "execute", "chat", "export"}
 
 

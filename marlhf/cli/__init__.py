@@ -10,6 +10,7 @@
 COMMANDS = {
     "sft": ("sft", "step 1: supervised fine-tuning of a causal LM on prompt + chosen answer"),
     "rm": ("rm", "step 2: reward model (LM + scalar head) on preference pairs"),
+    "label": ("label", "preference pairs on a policy's own answers, labelled by a simulated annotator"),
     "dpo": ("dpo", "step 2 alternative: DPO / IPO of the SFT policy on preference pairs"),
     "ppo": ("ppo", "step 3: RLHF with MA-PPO (PPO over macro actions; --ngram 1 is vanilla PPO), GRPO, RLOO"),
     "quickstart": ("quickstart", "the main job: steps 1 -> 2 -> 3 with the launch scripts, then a summary"),

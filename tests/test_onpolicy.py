@@ -1,0 +1,157 @@
+"""Preference pairs on a policy's own answers (marlhf/data/onpolicy.py, ``marlhf label``): the simulated
+annotator's label rate against its Bradley–Terry formula, labels that depend on the seed only, pairing, and the
+command's folder (readable by --data_path, cached by its inputs)."""
+
+import json
+import math
+import random
+
+import pytest
+
+from marlhf.cli.label import main as label_main
+from marlhf.data.onpolicy import Answer, label_pairs, preference_probability, split_by_prompt
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x)) if x >= 0 else 1 - 1 / (1 + math.exp(x))
+
+
+def test_probability_is_the_bradley_terry_formula():
+    for a, b, tau in ((1.0, 0.5, 0.1), (0.2, 0.9, 0.3), (5.0, -5.0, 0.01), (-700.0, 700.0, 0.5), (0.3, 0.3, 0.2)):
+        assert preference_probability(a, b, tau) == pytest.approx(sigmoid((a - b) / tau), abs=1e-12)
+    assert [preference_probability(a, b, 0) for a, b in ((1, 0), (0, 1), (2, 2))] == [1.0, 0.0, 0.5]
+    with pytest.raises(ValueError, match="--tau"):
+        preference_probability(0, 0, -1)
+
+
+def groups_of(diffs: list[float], per_diff: int, seed: int = 0) -> tuple[dict, dict]:
+    """Prompts with two answers whose scores differ by each of ``diffs``; returns (groups, score table)."""
+    groups, table = {}, {}
+    for d in diffs:
+        for i in range(per_diff):
+            pid = f"d{d}-{i}"
+            a, b = f"{pid} first", f"{pid} second"
+            groups[pid] = [Answer(pid, 0, pid, a, True), Answer(pid, 1, pid, b, True)]
+            table[a], table[b] = 0.5 + d, 0.5
+    return groups, table
+
+
+def scorer_of(table):
+    return lambda prompts, responses, ended: [table[r] for r in responses]
+
+
+def test_label_rate_matches_the_formula_over_many_pairs():
+    """Over 3,000 pairs per score difference, the share labelled 'first answer preferred' is σ(d/τ) within 4
+    binomial standard errors (a false alarm about once in 16,000 runs per difference; the draws are seeded, so
+    the test is deterministic)."""
+    tau, n, diffs = 0.2, 3000, [0.0, 0.05, 0.2, 0.5]
+    groups, table = groups_of(diffs, n)
+    pairs, counts = label_pairs(groups, scorer_of(table), tau, seed=11)
+    assert counts["pairs"] == len(diffs) * n and counts["identical_dropped"] == 0
+    for d in diffs:
+        wins = sum(p["chosen"].endswith("first") for p in pairs if p["meta"]["prompt_id"].startswith(f"d{d}-"))
+        p_true = sigmoid(d / tau)
+        se = math.sqrt(p_true * (1 - p_true) / n)
+        assert abs(wins / n - p_true) <= 4 * se, (d, wins / n, p_true)
+    # every label is recorded with its probability and the annotator's scores in (chosen, rejected) order
+    for p in pairs[:50]:
+        g_c, g_r = p["meta"]["annotator_scores"]
+        assert p["meta"]["p_chosen"] == pytest.approx(sigmoid((g_c - g_r) / tau))
+    assert counts["against_annotator_order"] == sum(p["meta"]["annotator_scores"][0] <
+                                                    p["meta"]["annotator_scores"][1] for p in pairs)
+
+
+def test_tau_zero_follows_the_annotator_and_flips_coins_on_ties():
+    groups, table = groups_of([0.0, 0.3], 400)
+    pairs, counts = label_pairs(groups, scorer_of(table), 0.0, seed=3)
+    assert all(p["chosen"].endswith("first") for p in pairs if p["meta"]["prompt_id"].startswith("d0.3"))
+    tie_wins = sum(p["chosen"].endswith("first") for p in pairs if p["meta"]["prompt_id"].startswith("d0.0"))
+    assert 400 * 0.5 - 4 * 10 <= tie_wins <= 400 * 0.5 + 4 * 10  # binomial(400, 1/2): sd 10
+    assert counts["annotator_ties"] == 400 and counts["against_annotator_order"] == 0
+
+
+def test_labels_depend_on_the_seed_only_not_on_order():
+    groups, table = groups_of([0.1], 300)
+    first, _ = label_pairs(groups, scorer_of(table), 0.3, seed=5)
+    shuffled = list(groups.items())
+    random.Random(0).shuffle(shuffled)
+    again, _ = label_pairs(dict(shuffled), scorer_of(table), 0.3, seed=5)
+    key = lambda p: p["meta"]["prompt_id"]  # noqa: E731
+    assert sorted(first, key=key) == sorted(again, key=key)
+    other, _ = label_pairs(groups, scorer_of(table), 0.3, seed=6)
+    assert sum(a["chosen"] != b["chosen"] for a, b in zip(first, other)) > 30
+
+
+def test_k_answers_make_disjoint_pairs_and_identical_ones_are_dropped():
+    answers = [Answer("p", k, "P", text, True) for k, text in enumerate(["a", "b", "c", "c", "e"])]
+    pairs, counts = label_pairs({"p": answers}, lambda p, r, e: [float(ord(x)) for x in r], 0.0, seed=0)
+    assert [(p["chosen"], p["rejected"]) for p in pairs] == [("b", "a")]  # c-c dropped, e has no partner
+    assert (counts["pairs"], counts["identical_dropped"], counts["answers"]) == (1, 1, 5)
+
+
+def test_annotator_errors_are_caught():
+    groups, table = groups_of([0.1], 2)
+    with pytest.raises(ValueError, match="non-finite"):
+        label_pairs(groups, lambda p, r, e: [float("nan")] * len(r), 0.1, seed=0)
+    with pytest.raises(ValueError, match="3 scores for 4 answers"):
+        label_pairs(groups, lambda p, r, e: [0.0] * 3, 0.1, seed=0)
+
+
+def test_split_holds_out_whole_prompts():
+    groups, table = groups_of([0.1, 0.2], 50)
+    pairs, _ = label_pairs(groups, scorer_of(table), 0.1, seed=0)
+    train, test = split_by_prompt(pairs, 0.2, seed=1)
+    assert len(test) == 20 and len(train) == 80
+    assert not {p["meta"]["prompt_id"] for p in train} & {p["meta"]["prompt_id"] for p in test}
+    assert split_by_prompt(pairs, 0.2, seed=1) == (train, test)
+
+
+def write_generations(path, prompts_answers):
+    rows = [{"prompt_id": f"train-{i}", "sample": k, "prompt": prompt, "response": resp, "ended": True}
+            for i, (prompt, answers) in enumerate(prompts_answers) for k, resp in enumerate(answers)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_command_labels_synthetic_answers_with_the_gold_scorer(tmp_path):
+    """Answers to the embedded task's prompts: a right summary against a dropped-fact one is labelled as the gold
+    scorer orders them (τ = 0), the folder reads back as a local dataset, and a rerun with the same inputs finds
+    it done while another τ relabels."""
+    from marlhf.data.adapters.loader import load_records
+    from marlhf.data.synthetic import SyntheticConfig, generate, gold_score
+
+    recs = generate(SyntheticConfig(num_records=40, seed=3))
+    gen = tmp_path / "answers.jsonl"
+    write_generations(gen, [(r.prompt, [r.rejected, r.chosen]) for r in recs])
+    out = tmp_path / "pairs"
+    assert label_main(["--generations", str(gen), "--annotator", "gold", "--tau", "0", "--eval_fraction", "0.25",
+                       "--output", str(out)]) == 0
+    train = load_records(str(out), split="train")
+    test = load_records(str(out), split="test")
+    assert len(train) + len(test) == sum(r.chosen != r.rejected for r in recs) and len(test) == 10
+    for rec in [*train, *test]:
+        assert gold_score(rec.prompt, rec.chosen) >= gold_score(rec.prompt, rec.rejected)
+    info = json.loads((out / "label.json").read_text())
+    assert info["counts"]["against_annotator_order"] == 0 and info["settings"]["tau"] == 0.0
+    stamp = (out / "train.jsonl").stat().st_mtime_ns
+    assert label_main(["--generations", str(gen), "--annotator", "gold", "--tau", "0", "--eval_fraction", "0.25",
+                       "--output", str(out)]) == 0
+    assert (out / "train.jsonl").stat().st_mtime_ns == stamp  # cached: same inputs
+    assert label_main(["--generations", str(gen), "--annotator", "gold", "--tau", "5", "--eval_fraction", "0.25",
+                       "--output", str(out)]) == 0
+    assert json.loads((out / "label.json").read_text())["settings"]["tau"] == 5.0
+
+
+def test_command_errors_name_the_problem(tmp_path):
+    from marlhf.errors import ConfigError, UserError
+
+    gen = tmp_path / "g.jsonl"
+    gen.write_text(json.dumps({"prompt_id": "a", "sample": 0, "prompt": "p", "response": "r"}) + "\n"
+                   + json.dumps({"prompt_id": "a", "sample": "one", "prompt": "p", "response": "r"}) + "\n")
+    with pytest.raises(UserError, match=r"g\.jsonl.*2.*sample"):
+        label_main(["--generations", str(gen), "--output", str(tmp_path / "o")])
+    write_generations(gen, [("p", ["only one"])])
+    with pytest.raises(ConfigError, match="num_samples 2"):
+        label_main(["--generations", str(gen), "--output", str(tmp_path / "o")])
+    with pytest.raises(ConfigError, match="--annotator"):
+        write_generations(gen, [("p", ["x", "y"])])
+        label_main(["--generations", str(gen), "--annotator", "oracle", "--output", str(tmp_path / "o")])
