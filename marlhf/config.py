@@ -286,13 +286,25 @@ class RLHFArgs(BaseArgs):
     policy_ratio: str = opt("token", "PPO ratio per token with the macro advantage (released code) or per "
                             "macro action exp(Σ Δlogπ) (paper eq.)", choices=("token", "macro"))
     reward_source: str = opt("reward_model", "Where the sequence score comes from (marlhf/rewards.py): the reward "
-                             "model ('rm' is the same); the embedded task's gold scorer; or program_tests: each "
+                             "model ('rm' is the same); the embedded task's gold scorer; program_tests: each "
                              "answer's program run against its problem's unit tests in a sandbox, reward of paper "
-                             "App. B.5 (no reward model: the critic starts from the actor unless "
-                             "--critic_model_name_or_path is given).",
-                             choices=("reward_model", "rm", "gold", "program_tests"))
+                             "App. B.5; python: your function (--reward_function); remote: your HTTP server "
+                             "(--reward_url). The last three need no reward model: the critic starts from the "
+                             "actor unless --critic_model_name_or_path is given.",
+                             choices=("reward_model", "rm", "gold", "program_tests", "python", "remote"))
     reward_workers: int = opt(1, "program_tests: worker processes running the programs of a batch in parallel "
                               "(results do not depend on it).")
+    reward_function: str = opt("", "python: the reward function, FILE.py:NAME (a path from the working directory) "
+                               "or package.module:NAME; called once per batch of each rank as NAME(prompts=[str], "
+                               "responses=[str], meta=[dict]) — plus ended=[bool] (answer stopped at the end token) "
+                               "when it has an 'ended' parameter or **kwargs — it returns one number per "
+                               "response; an exception, a wrong count, nan or inf stops the run.")
+    reward_url: str = opt("", "remote: the reward server's http(s) URL; each batch of each rank is one POST of "
+                          "JSON {\"prompts\", \"responses\", \"meta\", \"ended\"}, answered by "
+                          "{\"rewards\": [...]}, one number per response (OpenRLHF's remote reward shape).")
+    reward_timeout: float = opt(60.0, "remote: seconds each attempt waits for the server (connection and each read).")
+    reward_retries: int = opt(3, "remote: retries after a connection error, a timeout or an HTTP 5xx, waiting 1, 2, "
+                              "4, ... s before each; an HTTP 4xx or a malformed answer stops the run at once.")
     print_answers: bool = opt(False, "Print a sample prompt/answer every --print_answers_interval steps.")
     print_answers_interval: int = opt(1, "Steps between printed answers.")
     # --- advantage estimator (issue 11; marlhf/rlhf/estimators.py says which combinations are meaningful) ---
@@ -319,6 +331,7 @@ class RLHFArgs(BaseArgs):
             self.response_kind = "code" if self.reward_source == "program_tests" or code_data else "text"
         if self.reward_workers < 1:
             raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
+        self.validate_reward_flags()
         self.validate_estimator()
         gen_rows = self.per_device_generation_batch_size * self.num_samples_per_prompt  # experiences per batch
         if self.per_device_training_batch_size > gen_rows * self.generation_batches:
@@ -333,6 +346,31 @@ class RLHFArgs(BaseArgs):
                                  f"{self.gradient_accumulation_steps} (a token mean over a window that spans two "
                                  f"updates cannot be known in advance); change the batch sizes or use "
                                  f"--loss_aggregation microbatch_mean")
+
+    def validate_reward_flags(self) -> None:
+        """The user's reward's flags: given with their source only, and well-formed (ConfigError).  A python
+        spec's module is imported when the source is built (marlhf.rewards.build_reward_source)."""
+        from marlhf.errors import ConfigError
+        from marlhf.external_rewards import check_function_spec, check_url
+
+        defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
+        for flag, source in (("reward_function", "python"), ("reward_url", "remote"), ("reward_timeout", "remote"),
+                             ("reward_retries", "remote")):
+            if getattr(self, flag) != defaults[flag] and self.reward_source != source:
+                raise ConfigError(f"--{flag} is for --reward_source {source}, not {self.reward_source}")
+        if self.reward_source == "python":
+            if not self.reward_function:
+                raise ConfigError("--reward_source python needs --reward_function FILE.py:NAME or "
+                                  "package.module:NAME")
+            check_function_spec(self.reward_function)
+        if self.reward_source == "remote":
+            if not self.reward_url:
+                raise ConfigError("--reward_source remote needs --reward_url http(s)://HOST[:PORT]/PATH")
+            check_url(self.reward_url)
+            if not (self.reward_timeout > 0 and math.isfinite(self.reward_timeout)):
+                raise ConfigError(f"--reward_timeout must be a positive number of seconds, got {self.reward_timeout}")
+            if self.reward_retries < 0:
+                raise ConfigError(f"--reward_retries must be >= 0, got {self.reward_retries}")
 
     def validate_estimator(self) -> None:
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""

@@ -27,6 +27,12 @@ class PlatformError(UserError, RuntimeError):
     """A requested feature this machine cannot run (e.g. GPU-only DeepSpeed kernels on a CPU)."""
 
 
+class RewardError(UserError, RuntimeError):
+    """The user's reward (``--reward_source python`` / ``remote``) failed or answered wrongly during a run:
+    the function raised, the server could not be reached, or the rewards were the wrong count or not finite
+    numbers.  The message names the function or URL and what was wrong."""
+
+
 def _is_rank0() -> bool:
     # RANK is set by every launcher before the process group exists; errors can come before init
     return int(os.environ.get("RANK", "0")) == 0
@@ -47,6 +53,8 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
         logging.shutdown()  # flush the log file before the message, so it is the last line
         if _is_rank0():
             print(f"error: {err}", file=sys.stderr, flush=True)
+        elif isinstance(err, RewardError):  # met by this rank alone (its rows, its request): rank 0 cannot say it
+            print(f"error: [rank {os.environ.get('RANK')}] {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except Exception as err:
         if not debug and _port_in_use(err):  # a DistNetworkError too, but nobody else stopped: say what to do

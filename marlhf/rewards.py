@@ -4,6 +4,9 @@
     gold           the embedded task's gold scorer (facts from ``meta``)         :class:`~.rlhf.tasks.GoldScorer`
     program_tests  generated programs run against the problem's unit tests      :class:`~.ProgramTestReward`
                    in a sandbox (paper App. B.5; :mod:`marlhf.code.reward`)
+    python         the user's function, ``--reward_function FILE.py:NAME``      :class:`~.PythonReward`
+    remote         the user's HTTP server, ``--reward_url URL``                 :class:`~.RemoteReward`
+                   (both :mod:`marlhf.external_rewards`)
 
 ``meta`` is each prompt's ``Record.meta`` (JSON-able: APPS tests, the synthetic task's facts), carried from
 the dataset through the tokenized cache and the prompt collator, so no scorer re-parses facts out of text.
@@ -22,7 +25,10 @@ import torch
 
 from marlhf.generation import Samples, decode_samples
 
-REWARD_SOURCES = ("reward_model", "gold", "program_tests")
+REWARD_SOURCES = ("reward_model", "gold", "program_tests", "python", "remote")
+# The training rewards that need no reward model, and the name the held-out evaluation reports each under
+# (``<name>_score``): the program tests' verdicts, and the user's own reward (function or server) as "reward".
+OWN_EVALUATION_NAMES = {"program_tests": "program", "python": "reward", "remote": "reward"}
 
 @runtime_checkable
 class RewardSource(Protocol):
@@ -89,9 +95,12 @@ def score_samples(source, tokenizer, s: Samples, meta: Sequence[dict] | None = N
     return torch.tensor(scores, dtype=torch.float32, device=s.seq.device)
 
 
-def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: int = 1):
+def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: int = 1, function: str = "",
+                        url: str = "", timeout: float = 60.0, retries: int = 3):
     """The ``--reward_source`` of step 3: ``reward_model`` (the frozen reward engine), ``gold`` (needs the
-    embedded task) or ``program_tests`` (the sandboxed unit tests in each record's meta)."""
+    embedded task), ``program_tests`` (the sandboxed unit tests in each record's meta), ``python`` (the
+    ``function`` spec, imported now so a bad one fails before training) or ``remote`` (the server at
+    ``url``, with ``timeout`` seconds per attempt and ``retries`` retries)."""
     from marlhf.errors import ConfigError
 
     if name in ("reward_model", "rm"):
@@ -110,7 +119,26 @@ def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: 
         from marlhf.code.reward import ProgramTestReward
 
         return ProgramTestReward(workers=workers)
+    if name == "python":
+        from marlhf.external_rewards import PythonReward
+
+        if not function:
+            raise ConfigError("--reward_source python needs --reward_function FILE.py:NAME or package.module:NAME")
+        return PythonReward(function)
+    if name == "remote":
+        from marlhf.external_rewards import RemoteReward
+
+        if not url:
+            raise ConfigError("--reward_source remote needs --reward_url http(s)://HOST[:PORT]/PATH")
+        return RemoteReward(url, timeout=timeout, retries=retries)
     raise ValueError(f"unknown reward source {name!r}; choose from {', '.join(REWARD_SOURCES)}")
+
+
+def reward_source_from_args(args, reward_model=None):
+    """:func:`build_reward_source` with step 3's flags (``RLHFArgs`` or ``PolicyEvalArgs``)."""
+    return build_reward_source(args.reward_source, reward_model=reward_model, data_path=args.data_path,
+                               workers=args.reward_workers, function=args.reward_function, url=args.reward_url,
+                               timeout=args.reward_timeout, retries=args.reward_retries)
 
 
 def require_meta(items: list[dict], key: str, what: str) -> None:
@@ -126,12 +154,13 @@ def require_meta(items: list[dict], key: str, what: str) -> None:
 
 def evaluation_sources(reward_source: str, reward, reward_model=None, data_path=()) -> dict:
     """What step 3's held-out evaluation reports (name -> source): the reward model's score when there is
-    one, the gold score on the embedded task, and the training reward when it is the program tests."""
+    one, the gold score on the embedded task, and the training reward when it needs no reward model (the
+    program tests as ``program``, the user's function or server as ``reward``: :data:`OWN_EVALUATION_NAMES`)."""
     from marlhf.rlhf.tasks import gold_scorer_for
 
     sources = {"rm": RewardModelSource(reward_model)} if reward_model is not None else {}
     if (gold := gold_scorer_for(list(data_path))) is not None:
         sources["gold"] = gold
-    if reward_source == "program_tests":
-        sources["program"] = reward
+    if reward_source in OWN_EVALUATION_NAMES and reward is not None:
+        sources[OWN_EVALUATION_NAMES[reward_source]] = reward
     return sources

@@ -22,7 +22,7 @@ from marlhf.errors import run_cli
 from marlhf.eval.generate import policy_folder
 from marlhf.eval.policy import evaluate_policy
 from marlhf.models.loading import load_causal_lm, load_reward_model, resolve_model_path, run_tokenizer
-from marlhf.rewards import build_reward_source, evaluation_sources
+from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources, reward_source_from_args
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
 from marlhf.utils.run import setup_run
@@ -48,9 +48,9 @@ def main(argv=None):
     ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0)) \
         if args.ref_model_name_or_path else None
     reward_model = frozen(load_reward_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
-    # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests
-    reward = build_reward_source(args.reward_source, workers=args.reward_workers) \
-        if args.reward_source == "program_tests" else None  # the other two are reported whenever available
+    # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests / user's reward
+    reward = reward_source_from_args(args) \
+        if args.reward_source in OWN_EVALUATION_NAMES else None  # the other two are reported whenever available
     sources = evaluation_sources(args.reward_source, reward, reward_model, args.data_path)
     result = evaluate_policy(actor, tokenizer, data.eval, args, sources, ref=ref)
     result["policy"] = args.actor_model_name_or_path

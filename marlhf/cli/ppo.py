@@ -21,7 +21,7 @@ from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.errors import run_cli
 from marlhf.eval.policy import evaluate_policy
 from marlhf.models.loading import run_tokenizer
-from marlhf.rewards import build_reward_source, evaluation_sources, require_meta
+from marlhf.rewards import evaluation_sources, require_meta, reward_source_from_args
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import ptx_items
 from marlhf.rlhf.trainer import MAPPOTrainer
@@ -44,9 +44,9 @@ def main(argv=None):
                                 args.num_train_epochs, args.max_steps, what="prompts")
     # 2. actor / reference / critic / reward (+ EMA) engines
     rlhf = build_rlhf_engine(args, tokenizer, total_steps)
-    # 3. the reward source (reward model, gold scorer or program tests) and what the evaluation reports
-    reward = build_reward_source(args.reward_source, reward_model=rlhf.reward, data_path=args.data_path,
-                                 workers=args.reward_workers)
+    # 3. the reward source (reward model, gold scorer, program tests, the user's function or server) and what
+    #    the evaluation reports
+    reward = reward_source_from_args(args, rlhf.reward)
     trainer = MAPPOTrainer(args, rlhf, tokenizer, reward=reward)
     sources = evaluation_sources(args.reward_source, reward, rlhf.reward, args.data_path)
     # 4. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps, with

@@ -98,8 +98,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
                          "drop --enable_ema or LoRA")
     actor_path = resolve_model_path(args.actor_model_name_or_path)
     uses_rm = args.reward_source in ("reward_model", "rm")
-    # without a reward model (gold scorer, program tests) the critic starts from the SFT model, as the paper
-    # does for APPS (B.5): its value head is new
+    # without a reward model (gold scorer, program tests, the user's function or server) the critic starts from
+    # the SFT model, as the paper does for APPS (B.5): its value head is new
     critic_path = resolve_model_path(args.critic_model_name_or_path or ("" if uses_rm else actor_path))
     # the reward model: the reward source, or (given explicitly) only reported in the held-out evaluation
     reward_path = (args.reward_model_name_or_path or critic_path) if uses_rm else (
