@@ -3,6 +3,7 @@
 own-model commands run in tests/test_readme.py.)"""
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -64,8 +65,11 @@ def test_unknown_subcommand_exits_2_and_suggests(capsys):
 
 
 def test_a_user_error_through_the_command_is_one_line_and_status_1(tmp_path):
+    # a new process, as a user starts it: without the rank variables an in-process run of this worker left behind
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK",
+                                                          "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     out = subprocess.run([sys.executable, "-m", "marlhf", "sft", "--model_name_or_path", str(tmp_path / "nope"),
-                          "--output_dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+                          "--output_dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "nope" in last and "Traceback" not in out.stderr

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import REPO, STEP3, deepspeed_cmd, load_main, run_launcher
+from conftest import STEP3, deepspeed_cmd, load_main, run_launcher
 from test_step3 import nano, train_rows  # noqa: F401  (nano: the module's model fixture)
 
 from marlhf.config import RLHFArgs, parse_args
@@ -437,11 +437,11 @@ def test_step3_with_a_python_reward_logs_and_reports_what_the_function_computed(
     assert all("facts" in m for c in calls for m in c["meta"])
     assert (out / "critic").is_dir()  # built from the actor: no reward model was given
     assert "reward none (--reward_source python)" in (out / "train.log").read_text()
-    # inference/eval_policy.py with the run's flags evaluates the initial policy as step 3 did: same answers,
+    # marlhf eval-policy with the run's flags evaluates the initial policy as step 3 did: same answers,
     # same reward_score
     eval_out = tmp_path / "eval"
     eval_argv = [a if a != str(out) else str(eval_out) for a in argv]
-    assert run_cli(load_main(REPO / "inference" / "eval_policy.py"), eval_argv) == 0
+    assert run_cli(load_main("eval_policy"), eval_argv) == 0
     evaluated = json.loads((eval_out / "eval.json").read_text())
     calls = [json.loads(line) for line in (tmp_path / "fn" / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 5 and calls[4]["responses"] == calls[0]["responses"]
