@@ -37,7 +37,7 @@ SHORT = {  # appended to the README's commands: documented flags that make each 
 SHORT["rm"] = SHORT["sft"]
 
 
-def tested_blocks() -> list[str]:
+def readme_blocks() -> list[str]:
     """The ```bash blocks right after the README's test markers, in order."""
     blocks = re.findall(re.escape(MARKER) + r"[^\n]*-->\n```bash\n(.*?)\n```", README, re.S)
     assert len(blocks) == 2, "the README's own-model section lost a tested block"
@@ -81,7 +81,7 @@ def own_model_run(smollm2, tmp_path_factory):
     root = tmp_path_factory.mktemp("readme")
     values = {"MODEL": str(smollm2), "DATA": f"Anthropic/hh-rlhf:{HH}", "OUT": str(root / "out"), "GPUS": "1"}
     lines, assigned = [], set()
-    for line in commands("\n".join(tested_blocks())):
+    for line in commands("\n".join(readme_blocks())):
         if m := re.match(r"^([A-Z]+)=\S+", line):
             assigned.add(m.group(1))
             line = f"{m.group(1)}={shlex.quote(values[m.group(1)])}"
@@ -144,9 +144,13 @@ def test_own_reward_function_is_the_reward(own_model_run):
     out, _ = own_model_run
     args = args_of(out / "ppo-own-reward")
     assert (args["reward_source"], args["reward_function"]) == ("python", "my_reward.py:reward")
-    rows = [m for m in read_metrics(out / "ppo-own-reward") if "train/reward_score" in m]
+    rows = [m for m in read_metrics(out / "ppo-own-reward") if "train/reward" in m]
     # the README's function: -|words - 50| / 50; answers of at most 16 tokens have at most 16 words
-    assert len(rows) == 1 and -1.0 <= rows[0]["train/reward_score"] <= -34 / 50
+    assert len(rows) == 1 and -1.0 <= rows[0]["train/reward"] <= -34 / 50
+    summary = json.loads((out / "ppo-own-reward/summary.json").read_text())
+    assert -1.0 <= summary["final_policy"]["reward_score"] <= -34 / 50
+    # no reward model: the critic started from the SFT model
+    assert args["critic_model_name_or_path"] == "" and (out / "ppo-own-reward/critic/model.safetensors").exists()
 
 
 def test_every_step_command_in_the_readme_parses(tmp_path):
