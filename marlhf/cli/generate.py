@@ -8,13 +8,13 @@
 empty for the embedded default.  The end token and prompt format come from the folder's
 ``conversation_format.json``.  Prompts: ``--prompts FILE`` (json/jsonl/parquet rows with ``prompt`` and an
 optional ``id``), or ``--data_path`` specs as in training with ``--split eval`` (the held-out prompts step 3
-evaluates on) or ``--split train`` (step 3's share), selected by the same ``--data_split`` / ``--data_seed``
-/ ``--eval_fraction``.
+evaluates on) or ``--split train`` (step 3's share; with ``--phase 2`` step 2's, the prompts whose answers
+``marlhf label`` pairs), selected by the same ``--data_split`` / ``--data_seed`` / ``--eval_fraction``.
 
 Each row: ``prompt_id``, ``sample`` (0 … N-1), ``prompt``, ``response``, ``ended`` (stopped at the end token),
 ``length`` (answer tokens, end token included), ``seed`` (the batch's) and ``policy`` (``--policy_name``) —
-what ``rm_eval.py`` and ``judge.py`` read.  A stopped run started again with the same flags continues where it
-stopped and ends with the same file as an uninterrupted run (``--overwrite`` starts over).
+what ``marlhf rm-eval``, ``judge`` and ``label`` read.  A stopped run started again with the same flags continues
+where it stopped and ends with the same file as an uninterrupted run (``--overwrite`` starts over).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     name = args.policy_name or (Path(args.model).name if args.model else "embedded")
     cfg = policy.config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, do_sample=not args.greedy)
     source = {"prompts": args.prompts} if args.prompts else {
-        "data_path": args.data_path, "split": args.split, "data_split": args.data_split, "data_seed": args.data_seed,
-        "eval_fraction": args.eval_fraction}
+        "data_path": args.data_path, "split": args.split, "phase": args.phase, "data_split": args.data_split,
+        "data_seed": args.data_seed, "eval_fraction": args.eval_fraction}
     generate_file(policy, prompts, args.output, cfg=cfg, num_samples=args.num_samples, batch_size=args.batch_size,
                   max_prompt_len=args.max_prompt_len, seed=args.seed, policy_name=name, overwrite=args.overwrite,
                   progress=not args.no_progress, settings={"source": source})

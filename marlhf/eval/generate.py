@@ -289,6 +289,9 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompts", default=None, help="json/jsonl/parquet file with a 'prompt' per row")
     src.add_argument("--data_path", nargs="+", default=None, help="Dataset specs as in training")
     p.add_argument("--split", default="eval", choices=("eval", "train"), help="With --data_path: which prompts")
+    p.add_argument("--phase", type=int, default=3, choices=(1, 2, 3),
+                   help="With --data_path: whose share of the rows (1 SFT, 2 reward model, 3 RLHF), as training splits "
+                        "them; 2 gives the prompts to label for a reward model (marlhf label)")
     p.add_argument("--data_split", default=BaseArgs.data_split)
     p.add_argument("--data_seed", type=int, default=BaseArgs.seed, help="The training run's --seed (data split)")
     p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
@@ -301,7 +304,7 @@ def load_prompts(args) -> list[Prompt]:
         prompts = prompts_from_file(args.prompts)
     else:
         prompts = prompts_from_dataset(args.data_path, args.split, data_split=args.data_split, seed=args.data_seed,
-                                       eval_fraction=args.eval_fraction, bad_rows=args.bad_rows)
+                                       eval_fraction=args.eval_fraction, bad_rows=args.bad_rows, phase=args.phase)
     if args.max_prompts < 0:
         raise ConfigError(f"--max_prompts must be >= 0, got {args.max_prompts}")
     return prompts[:args.max_prompts] if args.max_prompts else prompts
