@@ -157,7 +157,7 @@ def test_step3_checkpoint_exports_actor_and_critic(code_run, tmp_path):
     out, _ = code_run
     assert json.loads((out / "args.json").read_text())["critic_model_name_or_path"] == ""
     assert (out / "checkpoints" / "step00000003").is_dir()
-    export = load_main(REPO / "inference" / "export.py")
+    export = load_main("export")
     for part, cls in (("actor", AutoModelForCausalLM), ("critic", AutoModelForSequenceClassification)):
         dest = tmp_path / part
         assert run_cli(export, ["--input", str(out), "--from_checkpoint", "--model", part,

@@ -297,5 +297,6 @@ def test_judge_cli_end_to_end(endpoint, tmp_path):
         assert KEY not in text
     mismatched = tmp_path / "m.jsonl"
     mismatched.write_text(json.dumps({"prompt": "other", "response": "x"}) + "\n")
-    bad = subprocess.run(cmd[:4] + ["--a", str(mismatched)] + cmd[6:], capture_output=True, text=True, env=env)
+    at = cmd.index("--a")
+    bad = subprocess.run(cmd[:at] + ["--a", str(mismatched)] + cmd[at + 2:], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "rows" in bad.stderr
