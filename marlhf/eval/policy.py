@@ -11,7 +11,7 @@ from marlhf.data.pipeline import PromptCollator, ResumableSampler, make_loader
 from marlhf.generation import GenerationConfig, decode_samples, sample
 from marlhf.models.loading import stop_token_ids
 from marlhf.rewards import score_samples
-from marlhf.rlhf.rollout import policy_logprobs
+from marlhf.rlhf.rollout import logprob_temperature, policy_logprobs
 from marlhf.utils import dist
 from marlhf.utils.optim_step import all_reduce_sum
 
@@ -62,8 +62,9 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
                     sums.append(scores.sum().item())
                     squares.append(scores.square().sum().item())
             if ref is not None:
-                lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width)
-                lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width)
+                T = logprob_temperature(args)  # the KL of training's π and π_ref (--logprob_temperature)
+                lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width, T)
+                lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width, T)
                 sums.append(torch.where(out.answer_mask, lp - lp_ref, 0.0).sum().item())
             totals += torch.tensor(sums + squares + [out.seq.shape[0]], dtype=torch.float64)
     totals = all_reduce_sum(totals)
