@@ -14,6 +14,7 @@ from marlhf.rewards import score_samples
 from marlhf.rlhf.rollout import logprob_temperature, policy_logprobs
 from marlhf.utils import dist
 from marlhf.utils.optim_step import all_reduce_sum
+from marlhf.utils.rng import isolated_rng
 
 
 def _fields(name: str, source) -> dict[str, str]:
@@ -45,8 +46,7 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
     keys += ("kl",) if ref is not None else ()
     totals = torch.zeros(len(keys) + len(sources) + 1, dtype=torch.float64)  # sums of `keys`, of each source's
     # squared totals, then the count
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + dist.rank())
+    with isolated_rng(seed + dist.rank()):  # training's CPU and accelerator streams continue afterwards
         for batch in loader:
             p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
             out = sample(actor, p_ids, p_mask, gen_cfg, zero3_generation=args.zero3_generation)
