@@ -95,8 +95,8 @@ def optimizer_steps(args, ppo_steps: int, with_ptx: bool = False) -> int:
 # --ema_decay 0.992 and the paper's learning rates that is far below a bf16 weight's resolution (2^-8 of it),
 # so a bf16 average rounded most steps' movement away (of the true movement over 300 steps it kept 9 % at lr
 # 1.5e-5 and 0.6 % at 1e-6 in issue 29's measurement, 34 % and 2.4 % on tests/test_ema.py's tiny Llama).
-# It costs 4 bytes a parameter where the actor's bf16 copy costs 2 (partitioned under ZeRO-3, on the CPU
-# with --offload_reference_model).  The export keeps float32: the average is the point of the model, a
+# It costs 4 bytes a parameter where the actor's bf16 copy costs 2 (partitioned under ZeRO-3, and then on
+# the CPU with --offload_reference_model).  The export keeps float32: the average is the point of the model, a
 # consumer casts it to its own dtype when loading.
 EMA_DTYPE = "fp32"
 
