@@ -266,6 +266,10 @@ class RLHFArgs(BaseArgs):
     temperature: float = opt(0.8, "Sampling temperature.")
     top_k: int = opt(50, "Top-k sampling (0 disables).")
     top_p: float = opt(1.0, "Nucleus sampling.")
+    logprob_temperature: str = opt("1", "Temperature T of π = softmax(logits / T) for log π_old, log π, log π_ref and "
+                                   "the KL: '1' (raw logits; DeepSpeed-Chat and the MA-RLHF code) or 'sampling' "
+                                   "(--temperature: the distribution the answers were sampled from, before "
+                                   "top-k / top-p; TRL and OpenRLHF).", choices=("1", "sampling"))
     termination_condition: str = opt("fixed", "Macro-action termination rule ζ (paper §3.2.1).",
                                      choices=("fixed", "randomized", "ppl", "parsing", "word"))
     ngram: str = opt("5", "n of the fixed rule: 1 = vanilla PPO, 0 or inf = one macro action per response.")

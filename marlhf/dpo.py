@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from marlhf.data.pipeline import SFTCollator
 from marlhf.models.loading import labelled_logits
+from marlhf.models.logprobs import token_logprobs
 from marlhf.rlhf.macro import check_choice
 from marlhf.supervised import Objective, pair_count, pair_length
 from marlhf.utils.optim_step import all_reduce_sum
@@ -41,8 +42,7 @@ def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     predicting targets[:, j] (B, K): the labels shifted by one, as :func:`labelled_logits` returns them.
     → (B,) in float32 (or wider)."""
     real = targets != -100
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    picked = logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)  # (B, K)
+    picked = token_logprobs(logits, targets.clamp(min=0))  # (B, K), chunked: no float32 (B, K, V) copy kept
     return torch.where(real, picked, 0.0).sum(dim=1)
 
 

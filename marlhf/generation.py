@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from marlhf.utils import dist
+from marlhf.utils.rng import isolated_rng
 
 
 @dataclass(frozen=True)
@@ -144,11 +145,10 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
     gather = zero3 and zero3_generation == "gather"
     was_training = policy.training
     policy.eval()
-    rng = contextlib.nullcontext() if cfg.seed is None else torch.random.fork_rng(devices=[])
+    # a seeded call restores every RNG stream manual_seed touches, the accelerator devices' included
+    rng = contextlib.nullcontext() if cfg.seed is None else isolated_rng(cfg.seed + dist.rank())
     try:
         with rng, _gathered(module, 3 if gather else 0):
-            if cfg.seed is not None:
-                torch.manual_seed(cfg.seed + dist.rank())
             sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p) \
                 if cfg.do_sample else {}
             seq = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=cfg.do_sample,

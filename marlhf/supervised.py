@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.loading import labelled_logits, last_token_index, sequence_scores, token_values
+from marlhf.models.logprobs import token_logprobs
 from marlhf.utils import checkpoint, dist
 from marlhf.utils.ds_engine import engine_from_args
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
@@ -45,8 +46,10 @@ def answer_nll(model, batch: dict) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL of the labelled (response) tokens, and their count; only the columns that
     predict one go through the vocabulary projection (:func:`~marlhf.models.loading.labelled_logits`)."""
     logits, targets = labelled_logits(model, batch)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="sum")
+    # chunked float32 log-probs (marlhf.models.logprobs): cross_entropy on a float32 copy of the logits would
+    # keep that (B, K, V) copy for backward
+    logp = token_logprobs(logits, targets.clamp(min=0))
+    nll = -torch.where(targets != -100, logp, 0.0).sum()
     return nll, sft_count(batch)
 
 

@@ -11,9 +11,10 @@ from marlhf.data.pipeline import PromptCollator, ResumableSampler, make_loader
 from marlhf.generation import GenerationConfig, decode_samples, sample
 from marlhf.models.loading import stop_token_ids
 from marlhf.rewards import score_samples
-from marlhf.rlhf.rollout import policy_logprobs
+from marlhf.rlhf.rollout import logprob_temperature, policy_logprobs
 from marlhf.utils import dist
 from marlhf.utils.optim_step import all_reduce_sum
+from marlhf.utils.rng import isolated_rng
 
 
 def _fields(name: str, source) -> dict[str, str]:
@@ -45,8 +46,7 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
     keys += ("kl",) if ref is not None else ()
     totals = torch.zeros(len(keys) + len(sources) + 1, dtype=torch.float64)  # sums of `keys`, of each source's
     # squared totals, then the count
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + dist.rank())
+    with isolated_rng(seed + dist.rank()):  # training's CPU and accelerator streams continue afterwards
         for batch in loader:
             p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
             out = sample(actor, p_ids, p_mask, gen_cfg, zero3_generation=args.zero3_generation)
@@ -62,8 +62,9 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
                     sums.append(scores.sum().item())
                     squares.append(scores.square().sum().item())
             if ref is not None:
-                lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width)
-                lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width)
+                T = logprob_temperature(args)  # the KL of training's π and π_ref (--logprob_temperature)
+                lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width, T)
+                lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width, T)
                 sums.append(torch.where(out.answer_mask, lp - lp_ref, 0.0).sum().item())
             totals += torch.tensor(sums + squares + [out.seq.shape[0]], dtype=torch.float64)
     totals = all_reduce_sum(totals)

@@ -23,6 +23,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
+from marlhf.models.logprobs import head_token_logprobs
+
 log = logging.getLogger("marlhf")
 
 # Config attribute names different architectures use for dropout probabilities.
@@ -188,6 +190,7 @@ def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: 
     extra = _LIKELIHOOD_KEYS if getattr(cfg, "likelihood_term", False) else None
     with _expected_unexpected_keys(cfg, extra):
         model = AutoModelForSequenceClassification.from_pretrained(path, config=cfg, dtype=dtype)
+    fp32_head(model.score)  # the value computed in float32 even when the engine runs bf16 (Fp32Linear)
     _fit_vocab(model, tokenizer)
     model.config.use_cache = False
     return model
@@ -226,6 +229,28 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
     return model
 
 
+class Fp32Linear(nn.Linear):
+    """A linear head computed in float32 whatever the dtype of its weights and inputs: the reward model's and
+    critic's scalar ``score`` head and the likelihood term's next-token head.
+
+    A bf16 ``nn.Linear`` rounds its output to bf16 (2^-9 relative: ±0.02 at a value of 8, more than the
+    per-token KL rewards it is compared with); ``.float()`` after it cannot undo that.  DeepSpeed's bf16 / fp16
+    engines cast every parameter to the run dtype (``_cast_module_mixed_precision``; only buffers can be kept in
+    fp32), so the weights stay bf16 (their fp32 master copy lives in the optimizer) and this forward computes
+    ``hidden.float() @ W.float()ᵀ (+ b.float())`` instead.  Same parameters and state-dict keys as ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_head(linear: nn.Module) -> nn.Module:
+    """Make a plain ``nn.Linear`` head compute in float32 (:class:`Fp32Linear`), in place; other modules as they are."""
+    if type(linear) is nn.Linear:
+        linear.__class__ = Fp32Linear
+    return linear
+
+
 class LikelihoodTerm(nn.Module):
     """α · Σ log p(answer token | what precedes it), from a next-token head over the reward model's hidden states.
 
@@ -236,7 +261,7 @@ class LikelihoodTerm(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__()
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.lm_head = Fp32Linear(hidden_size, vocab_size, bias=False)
         self.scale = nn.Parameter(torch.ones(1))  # 1-d: DeepSpeed broadcasts parameters as bytes
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -246,8 +271,9 @@ class LikelihoodTerm(nn.Module):
         # only the columns that predict an answer token go through the vocabulary-wide projection: from the
         # one before the earliest answer start (the prompt is most of a sequence); none when no row has one
         first = min(max(int(response_start.min()) - 1, 0), input_ids.shape[1] - 1)
-        logp = torch.log_softmax(self.lm_head(hidden[:, first:-1]).float(), dim=-1)
-        logp = logp.gather(2, input_ids[:, first + 1:, None]).squeeze(2)  # column t: log p(token first + t + 1)
+        # column t: log p(token first + t + 1), from the float32 head (Fp32Linear) a chunk of positions at a
+        # time: no (B, T, V) logits kept for backward
+        logp = head_token_logprobs(self.lm_head, hidden[:, first:-1], input_ids[:, first + 1:])
         column = torch.arange(first + 1, input_ids.shape[1], device=input_ids.device)[None]
         answer = (column >= response_start[:, None]) & attention_mask[:, first + 1:].bool()
         cumulative = torch.nn.functional.pad((logp * answer).cumsum(1), (first + 1, 0))
@@ -369,7 +395,7 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     inner = _unwrap(model)
     base = getattr(inner, inner.base_model_prefix)
     hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width)
-    values = inner.score(hidden).squeeze(-1).float()  # (B, T)
+    values = inner.score(hidden).squeeze(-1).float()  # (B, T); the head computes in float32 (Fp32Linear)
     term = getattr(inner, "likelihood", None)
     if term is None:
         return values

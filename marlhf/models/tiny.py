@@ -102,12 +102,12 @@ def create_tiny_model(
     Generation stops at EOS or at the end-of-conversation token (if the tokenizer has one), because
     DeepSpeed-Chat's data appends ``--end_of_conversation_token`` to every response.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(size, tokenizer)
-    with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG stream
-        torch.manual_seed(seed)
+    from marlhf.utils.rng import isolated_rng
+
+    with isolated_rng(seed):  # seeded init without disturbing the caller's RNG streams (CPU and accelerator)
         model = AutoModelForCausalLM.from_config(config)
     stop_ids = [tokenizer.eos_token_id]
     eoc = tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -24,6 +24,7 @@ import torch
 
 from marlhf.generation import GenerationConfig, Samples, sample
 from marlhf.models.loading import next_token_logits, position_ids_from_mask, token_values
+from marlhf.models.logprobs import token_logprobs
 from marlhf.rlhf.estimators import critic_free_advantages, groups
 from marlhf.rlhf.macro import num_macros
 from marlhf.rlhf.ppo_math import compute_advantages, token_rewards, whiten
@@ -76,6 +77,7 @@ class RolloutSettings:
     num_samples_per_prompt: int = 1  # K
     kl_penalty: str = "reward"
     grpo_normalization: str = "std"
+    logprob_temperature: float = 1.0  # T of π = softmax(logits / T) for π_old and π_ref (logprob_temperature)
 
     @classmethod
     def from_args(cls, args) -> RolloutSettings:
@@ -83,7 +85,8 @@ class RolloutSettings:
                    value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
                    lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
                    advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
-                   kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization)
+                   kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
+                   logprob_temperature=logprob_temperature(args))
 
     @property
     def reward_kl_ctl(self) -> float:
@@ -91,17 +94,34 @@ class RolloutSettings:
         return self.kl_ctl if self.kl_penalty == "reward" else 0.0
 
 
-def answer_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log π(a_t | s_t) of the answer tokens (B, A) from the logits that predict them (B, A, V)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def answer_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(a_t | s_t) of the answer tokens (B, A) from the logits that predict them (B, A, V): float32
+    log_softmax(logits / ``temperature``) at the tokens, computed in chunks so that no float32 copy of the
+    logits is kept for backward (:func:`marlhf.models.logprobs.token_logprobs`)."""
+    return token_logprobs(logits, tokens, temperature)
 
 
-def policy_logprobs(model, seq: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
+def policy_logprobs(model, seq: torch.Tensor, attention_mask: torch.Tensor, P: int,
+                    temperature: float = 1.0) -> torch.Tensor:
     """(B, A) log-probs of the answer tokens under ``model``, for a left-padded batch (positions counted from
-    each row's first real token); only the columns that predict an answer token are projected."""
+    each row's first real token); only the columns that predict an answer token are projected.
+    ``temperature``: the distribution is softmax(logits / T) (:func:`logprob_temperature`)."""
     logits = next_token_logits(model, seq, attention_mask, P - 1, position_ids=position_ids_from_mask(attention_mask))
-    return answer_logprobs(logits, seq[:, P:])
+    return answer_logprobs(logits, seq[:, P:], temperature)
+
+
+def logprob_temperature(args) -> float:
+    """T of the policy distribution π = softmax(logits / T) that π_old, π, π_ref and the KL are computed from
+    (``--logprob_temperature``): 1 (raw logits: DeepSpeed-Chat and the MA-RLHF code, the default) or
+    ``sampling``: the sampling ``--temperature`` (TRL and OpenRLHF), so that π_old is the temperature-scaled
+    distribution the answers were drawn from (top-k / top-p truncation is not applied: a token outside the
+    truncated set would get log π = -inf)."""
+    choice = str(getattr(args, "logprob_temperature", "1"))
+    if choice == "sampling":
+        return float(args.temperature)
+    if choice in ("1", "1.0"):
+        return 1.0
+    raise ValueError(f"--logprob_temperature must be '1' or 'sampling', got {choice!r}")
 
 
 def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: int) -> torch.Tensor:
@@ -109,15 +129,16 @@ def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: in
     return token_values(critic, seq, attention_mask)[:, P - 1:-1]
 
 
-def forwards(actor, ref, critic, s: Samples,
-             timer=NO_TIMER) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def forwards(actor, ref, critic, s: Samples, timer=NO_TIMER,
+             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward each of actor, reference and critic: (log π_old, log π_ref, V), each (B, A); V is None
-    without a critic.  ``timer``: :mod:`marlhf.utils.timing` (phases ``forward/actor|ref|critic``)."""
+    without a critic.  ``timer``: :mod:`marlhf.utils.timing` (phases ``forward/actor|ref|critic``);
+    ``temperature``: of both policies' distributions (:func:`logprob_temperature`)."""
     P, seq, attn = s.prompt_width, s.seq, s.attention_mask
     with timer("forward/actor"):
-        logprobs = policy_logprobs(actor, seq, attn, P)
+        logprobs = policy_logprobs(actor, seq, attn, P, temperature)
     with timer("forward/ref"):
-        ref_logprobs = policy_logprobs(ref, seq, attn, P)
+        ref_logprobs = policy_logprobs(ref, seq, attn, P, temperature)
     if critic is None:
         return logprobs, ref_logprobs, None
     with timer("forward/critic"):
@@ -195,7 +216,7 @@ def make_experience(actor, ref, critic, score: Callable[[Samples], torch.Tensor]
     content = length - ended.long()  # tokens before the stop token
     valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
 
-    logprobs, ref_logprobs, values = forwards(actor, ref, critic, out, timer)
+    logprobs, ref_logprobs, values = forwards(actor, ref, critic, out, timer, settings.logprob_temperature)
     with timer("forward/reward"):
         scores = score(out)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from marlhf.rlhf.estimators import kl_loss
 from marlhf.rlhf.ppo_math import policy_loss, value_loss
-from marlhf.rlhf.rollout import Experience, critic_values, policy_logprobs
+from marlhf.rlhf.rollout import Experience, critic_values, logprob_temperature, policy_logprobs
 from marlhf.utils.optim_step import StepGuard, loss_multipliers
 from marlhf.utils.timing import NO_TIMER
 
@@ -33,6 +33,7 @@ class UpdateSettings:
     unsup_coef: float = 27.8
     kl_penalty: str = "reward"  # "loss": + kl_ctl · k3 KL in the policy loss
     kl_ctl: float = 0.1
+    logprob_temperature: float = 1.0  # π = softmax(logits / T), as π_old was (rollout.logprob_temperature)
 
     @classmethod
     def from_args(cls, args) -> UpdateSettings:
@@ -40,7 +41,8 @@ class UpdateSettings:
                    gradient_accumulation_steps=args.gradient_accumulation_steps,
                    loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
                    cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
-                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl)
+                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl,
+                   logprob_temperature=logprob_temperature(args))
 
 
 def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSettings,
@@ -71,7 +73,7 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
             dropped_before = guard.dropped  # the critic's window starts
         P = mb.prompt_width
         with timer("train/actor"):
-            logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P)
+            logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P, s.logprob_temperature)
             pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, s.cliprange,
                                      seg=mb.seg, ratio=s.policy_ratio)
             if s.kl_penalty == "loss":  # GRPO's KL term: a token mean, like the policy loss it joins

@@ -192,11 +192,12 @@ def _load_benepar(model: str) -> Any:
                 "marlhf.rlhf.parsing.benepar_model) and pass its folder, or use backend='spacy'"
             )
         import benepar
-        import torch
+
+        from marlhf.utils.rng import isolated_rng
 
         # Building the module draws initial weights from the global RNG before loading the trained
         # ones: keep the caller's RNG (the policy's sampling) independent of the parser choice.
-        with torch.random.fork_rng(devices=[]):
+        with isolated_rng():
             _BENEPAR_CACHE[model] = benepar.Parser(model)
     return _BENEPAR_CACHE[model]
 

@@ -326,10 +326,10 @@ def save_release(parser: Any, out: Path) -> None:
 
 
 def _build(out: Path, seed: int, steps: int, sentences: list[str], spacy_model: str) -> None:
-    import torch
+    from marlhf.utils.rng import isolated_rng
 
     # The build can happen inside a training run (step 3's first use): leave the caller's RNG alone.
-    with torch.random.fork_rng(devices=[]):
+    with isolated_rng():  # train_parser calls torch.manual_seed, which reseeds the accelerator devices too
         _build_seeded(out, seed, steps, sentences, spacy_model)
 
 
