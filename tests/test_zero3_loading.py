@@ -106,7 +106,8 @@ def test_loading_in_the_run_dtype(embedded):
     model = load_causal_lm(folder, _tokenizer(folder), dtype=torch.bfloat16)
     state = model.state_dict()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert torch.equal(state["model.layers.0.mlp.up_proj.weight"], saved["model.layers.0.mlp.up_proj.weight"].bfloat16())
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(state[name], saved[name].bfloat16())
 
     args, _ = parse_args(SFTArgs, ["--dtype", "bf16", "--zero_stage", "3", "--offload"])
     opts = load_options(args)
