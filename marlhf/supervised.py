@@ -201,6 +201,7 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
     ckpt_root = Path(args.output_dir) / "checkpoints"
     tracker = Tracker(args.output_dir, args.tensorboard_path, args.enable_tensorboard, args.print_loss)
     step, epoch, done_in_epoch = 0, 0, 0
+    dist.seed_rank_streams(args.seed)  # the models are built: dropout masks differ between ranks from here
     if args.resume:
         state = checkpoint.load_checkpoint(ckpt_root, {objective.name: engine})
         if state is not None:

@@ -56,8 +56,9 @@ def main(argv=None) -> int:
         raise ConfigError(f"--n must be >= 1 and --temperatures > 0, got {args.n} and {args.temperatures}")
     ns, n_max = sorted(set(args.n)), max(args.n)
     prompts = load_prompts(args)
-    policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format)
-    rm = Scorer(args.reward_model, max_seq_len=args.max_seq_len)
+    policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
+                          device=args.device, dtype=args.dtype)
+    rm = Scorer(args.reward_model, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
     gold = gold_scorer(args.gold, args.data_path, args.reward_model)
     sample_rows: list[dict] = []
     results = {}

@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     app = load_application(args.task)
-    policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format)
+    policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
+                          device=args.device, dtype=args.dtype)
     chat = ChatSession(policy, app, max_new_tokens=args.max_new_tokens, max_prompt_len=args.max_prompt_len,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
                        seed=args.seed)

@@ -12,7 +12,7 @@ from marlhf.config import DPOArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.dpo import dpo_objective
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_causal_lm, load_tokenizer_and_format
+from marlhf.models.loading import apply_lora, load_causal_lm, load_options, load_tokenizer_and_format
 from marlhf.supervised import train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.ds_engine import frozen_engine
@@ -29,10 +29,11 @@ def main(argv=None):
     data = build_phase_data(args, tokenizer, phase=2)
     # 2. the policy (optionally with LoRA) and the frozen reference, both the SFT model by default
     policy = load_causal_lm(args.model_name_or_path, tokenizer, args.dropout,
-                            end_of_conversation_token=fmt.end_of_conversation_token)
+                            end_of_conversation_token=fmt.end_of_conversation_token, **load_options(args))
     if args.lora_dim > 0:
         policy = apply_lora(policy, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
-    reference = frozen_engine(load_causal_lm(args.ref_model_name_or_path or args.model_name_or_path, tokenizer, 0.0),
+    reference = frozen_engine(load_causal_lm(args.ref_model_name_or_path or args.model_name_or_path, tokenizer, 0.0,
+                                             **load_options(args)),
                               zero_stage=args.zero_stage, offload=args.offload, dtype=args.dtype)
     # 3. train under DeepSpeed (logs and evaluates implicit rewards, their margin and pair accuracy)
     engine = train(args, policy, tokenizer, data.train, data.eval,

@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     prompts = load_prompts(args)
-    policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format)
+    policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
+                          device=args.device, dtype=args.dtype)
     name = args.policy_name or (Path(args.model).name if args.model else "embedded")
     cfg = policy.config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, do_sample=not args.greedy)
     source = {"prompts": args.prompts} if args.prompts else {

@@ -26,7 +26,7 @@ from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import ptx_items
 from marlhf.rlhf.trainer import MAPPOTrainer
 from marlhf.utils import dist
-from marlhf.utils.checkpoint import export_hf
+from marlhf.utils.checkpoint import export_hf, resumed_record
 from marlhf.utils.run import setup_run
 
 
@@ -55,9 +55,8 @@ def main(argv=None):
         return evaluate_policy(rlhf.actor, tokenizer, data.eval, args, sources, ref=rlhf.ref)
 
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too
-    if initial.exists() and args.resume:
-        before = json.loads(initial.read_text())
-    else:
+    before = resumed_record(initial, args.resume)  # read on rank 0, so all ranks evaluate or none
+    if before is None:
         before = evaluate()
         if dist.is_main():
             initial.write_text(json.dumps(before))

@@ -13,7 +13,7 @@ import sys
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_reward_model, run_tokenizer
+from marlhf.models.loading import apply_lora, load_options, load_reward_model, run_tokenizer
 from marlhf.supervised import reward_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -26,7 +26,8 @@ def main(argv=None):
     tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
     data = build_phase_data(args, tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
-    model = load_reward_model(args.model_name_or_path, tokenizer, args.dropout, likelihood_term=args.likelihood_term)
+    model = load_reward_model(args.model_name_or_path, tokenizer, args.dropout, likelihood_term=args.likelihood_term,
+                              **load_options(args))
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
     # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)

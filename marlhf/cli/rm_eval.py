@@ -17,6 +17,7 @@ import logging
 import sys
 
 from marlhf.errors import ConfigError, run_cli
+from marlhf.eval.placement import add_placement_args
 from marlhf.eval.reward import gold_scorer
 from marlhf.eval.score_report import (
     build_report,
@@ -47,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
+    add_placement_args(p)
     return p.parse_args(argv)
 
 
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
         raise ConfigError(f"--baseline {args.baseline!r} is not one of the policies: {', '.join(generations)}")
     from marlhf.eval.reward import Scorer
 
-    rm = Scorer(args.reward_model, args.end_of_conversation_token, args.max_seq_len, args.prompt_format)
+    rm = Scorer(args.reward_model, args.end_of_conversation_token, args.max_seq_len, args.prompt_format,
+                device=args.device, dtype=args.dtype)
     scorers = {"reward_model": lambda p, r: rm(p, r, args.batch_size)}
     gold = gold_scorer(args.gold, args.data_path, args.reward_model)
     if gold is not None:

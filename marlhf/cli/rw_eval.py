@@ -25,6 +25,7 @@ from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.pipeline import phase_records
 from marlhf.data.records import BadRowPolicy, DataError, require_text
 from marlhf.errors import run_cli
+from marlhf.eval.placement import add_placement_args
 from marlhf.eval.reward import Scorer
 
 
@@ -49,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors (bad file, missing model)")
+    add_placement_args(p)
     return p.parse_args(argv)
 
 
@@ -78,7 +80,8 @@ def read_rows(path: str) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    scorer = Scorer(args.model_name_or_path, args.end_of_conversation_token, args.max_seq_len, args.prompt_format)
+    scorer = Scorer(args.model_name_or_path, args.end_of_conversation_token, args.max_seq_len, args.prompt_format,
+                    device=args.device, dtype=args.dtype)
     if args.input or args.data_path:
         rows = read_rows(args.input) if args.input else dataset_rows(args)
         results = []

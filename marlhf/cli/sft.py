@@ -10,7 +10,7 @@ import sys
 from marlhf.config import SFTArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_causal_lm, run_tokenizer
+from marlhf.models.loading import apply_lora, load_causal_lm, load_options, run_tokenizer
 from marlhf.supervised import sft_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
@@ -25,7 +25,7 @@ def main(argv=None):
     data = build_phase_data(args, tokenizer, phase=1)
     # 2. the policy, optionally with LoRA adapters
     model = load_causal_lm(args.model_name_or_path, tokenizer, args.dropout,
-                           end_of_conversation_token=fmt.end_of_conversation_token)
+                           end_of_conversation_token=fmt.end_of_conversation_token, **load_options(args))
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
     # 3. train under DeepSpeed (evaluates perplexity, checkpoints, resumes)

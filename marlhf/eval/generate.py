@@ -106,14 +106,18 @@ class LoadedPolicy:
     """A causal LM with its tokenizer (left padding), conversation format and stop ids, in eval mode."""
 
     def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = "auto",
-                 dtype: torch.dtype = torch.float32):
+                 device: str = "auto", dtype: str | torch.dtype = "auto"):
+        """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.eval.placement`)."""
         from marlhf.data.formatting import PromptFormatter
+        from marlhf.eval.placement import resolve_placement
         from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids
 
+        self.placement = resolve_placement(device, dtype)
         self.path = policy_folder(path, model)
         self.tok, self.format = load_tokenizer_and_format(self.path, eot, prompt_format, padding_side="left")
         self.eot = self.format.end_of_conversation_token
-        self.model = load_causal_lm(self.path, self.tok, dtype=dtype, end_of_conversation_token=self.eot).eval()
+        self.model = load_causal_lm(self.path, self.tok, dtype=self.placement.dtype,
+                                    end_of_conversation_token=self.eot).to(self.placement.device).eval()
         self.formatter = PromptFormatter(self.tok, self.format.prompt_format, self.eot)
         self.stop_ids = tuple(stop_token_ids(self.tok, self.eot))
         log.info("policy %s (prompt format %s, end token %r)", self.path, self.format.prompt_format, self.eot)
@@ -141,7 +145,8 @@ class LoadedPolicy:
     def sample(self, prompts: Sequence[str], cfg: GenerationConfig, num_samples: int, max_prompt_len: int):
         """(responses, ended, lengths) of ``num_samples`` answers per prompt, grouped by prompt."""
         ids, mask = self.encode(prompts, max_prompt_len)
-        out = sample(self.model, ids, mask, cfg, num_samples=num_samples)
+        dev = self.placement.device
+        out = sample(self.model, ids.to(dev), mask.to(dev), cfg, num_samples=num_samples)
         _, responses = decode_samples(self.tok, out)
         return responses, out.ended.tolist(), out.lengths.tolist()
 
@@ -279,6 +284,9 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.
     p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
     p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
+    from marlhf.eval.placement import add_placement_args
+
+    add_placement_args(p)
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:

@@ -20,12 +20,17 @@ class Scorer:
     format come from the folder's record unless given."""
 
     @staticmethod
-    def load(path: str, tokenizer):
-        return load_reward_model(path, tokenizer)
+    def load(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+        return load_reward_model(path, tokenizer, dtype=dtype)
 
-    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto"):
+    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto",
+                 device: str = "auto", dtype: str | torch.dtype = "auto"):
+        """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.eval.placement`)."""
+        from marlhf.eval.placement import resolve_placement
+
+        self.placement = resolve_placement(device, dtype)
         self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
-        self.model = self.load(path, self.tok).eval()
+        self.model = self.load(path, self.tok, self.placement.dtype).to(self.placement.device).eval()
         self.eot, self.max_len = self.format.end_of_conversation_token, max_seq_len
 
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
@@ -46,8 +51,8 @@ class LikelihoodScorer(Scorer):
     (and it reads every token, where a reward model's score head reads the last one)."""
 
     @staticmethod
-    def load(path: str, tokenizer):
-        return load_causal_lm(path, tokenizer)
+    def load(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+        return load_causal_lm(path, tokenizer, dtype=dtype)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:

@@ -126,19 +126,84 @@ def _config(path: str, dropout: float | None, **extra):
     return cfg
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also when ZeRO-3 partitioned it (its own shape is then (0,))."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 def _fit_vocab(model: nn.Module, tokenizer) -> None:
-    """Grow the embedding when the tokenizer gained tokens (e.g. the end-of-conversation token)."""
+    """Grow the embedding when the tokenizer gained tokens (e.g. the end-of-conversation token); transformers
+    gathers a ZeRO-3 partitioned embedding to resize it."""
     n = len(tokenizer)
-    if model.get_input_embeddings().weight.shape[0] < n:
+    if full_shape(model.get_input_embeddings().weight)[0] < n:
         model.resize_token_embeddings(n)
 
 
+def _partition_new_parameters(model: nn.Module, ds_config: dict | None) -> None:
+    """Under ZeRO-3, partition the parameters built whole after loading: transformers makes a resized
+    embedding (:func:`_fit_vocab`) a full tensor on every rank.  DeepSpeed converts them, broadcasting each
+    from rank 0 first, so the ranks' copies of the new rows agree."""
+    if not ds_config or not any(not hasattr(p, "ds_id") for p in model.parameters()):
+        return
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, config_dict_or_path=ds_config)
+
+
+def zero3_init_config(zero_stage: int, offload: bool, dtype: str, extra: dict | None = None) -> dict | None:
+    """The DeepSpeed config a model that will run under ZeRO-3 is built with (:func:`zero3_construction`),
+    or None below stage 3.  Partitioning, parameter offload and dtype are what ``deepspeed.zero.Init`` reads;
+    they are the engine's (:func:`~marlhf.utils.ds_config.eval_config` / ``train_config`` share them)."""
+    if zero_stage != 3:
+        return None
+    from marlhf.utils import dist
+    from marlhf.utils.ds_config import eval_config
+    from marlhf.utils.ds_engine import _merge
+
+    cfg = eval_config(zero_stage=3, offload=offload, dtype=dtype, world_size=dist.world_size())
+    _merge(cfg, extra or {})
+    return cfg
+
+
+def load_options(args, zero_stage: int | None = None, offload: bool | None = None) -> dict:
+    """Keyword arguments of the load functions for a training run's model: its ``--dtype``, and under ZeRO-3
+    (``zero_stage``, default ``--zero_stage``) construction already partitioned."""
+    stage = args.zero_stage if zero_stage is None else zero_stage
+    off = args.offload if offload is None else offload
+    return {"dtype": torch_dtype(args.dtype), "ds_config": zero3_init_config(stage, off, args.dtype)}
+
+
+@contextlib.contextmanager
+def zero3_construction(ds_config: dict | None):
+    """Models loaded inside are built by ``deepspeed.zero.Init`` when ``ds_config`` is a ZeRO-3 config.
+
+    transformers' ``from_pretrained`` does so while an ``HfDeepSpeedConfig`` is alive (it keeps a weak
+    reference): each parameter is partitioned as it is created, rank 0 reads the checkpoint and each tensor is
+    scattered from it, so no rank ever holds the whole model (without it every rank builds the full model
+    first, and DeepSpeed partitions it only in ``deepspeed.initialize``).  The reference is dropped on exit:
+    later loads (a ZeRO-0 critic beside a ZeRO-3 actor) must not be partitioned."""
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 - alive for the block: from_pretrained finds it by weakref
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
 def load_causal_lm(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
-                   end_of_conversation_token: str = ""):
+                   end_of_conversation_token: str = "", ds_config: dict | None = None):
+    """A causal LM in ``dtype`` (the run's: a bf16 run never holds an fp32 copy), built partitioned when
+    ``ds_config`` is a ZeRO-3 config (:func:`zero3_construction`)."""
     path = resolve_model_path(path)
     cfg = _config(path, dropout)
-    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype)
-    _fit_vocab(model, tokenizer)
+    with zero3_construction(ds_config):
+        model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype)
+        _fit_vocab(model, tokenizer)
+        _partition_new_parameters(model, ds_config)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.use_cache = False
     if model.generation_config is not None:  # generation must stop at the end-of-conversation token too
@@ -181,34 +246,45 @@ def _expected_unexpected_keys(cfg, pattern: str | None):
             delattr(cls, attr)
 
 
-def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32):
-    """A reward model / critic: base LM + scalar head (freshly initialised when ``path`` is a causal LM)."""
+def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
+                     ds_config: dict | None = None):
+    """A reward model / critic: base LM + scalar head (freshly initialised when ``path`` is a causal LM; under
+    ZeRO-3 transformers initialises it on rank 0 and scatters it).  ``dtype`` / ``ds_config``: as
+    :func:`load_causal_lm`."""
     path = resolve_model_path(path)
     cfg = _config(path, dropout, num_labels=1)
     cfg.pad_token_id = tokenizer.pad_token_id
     # a likelihood term's weights are extra keys to transformers; load_reward_model reads them itself
     extra = _LIKELIHOOD_KEYS if getattr(cfg, "likelihood_term", False) else None
-    with _expected_unexpected_keys(cfg, extra):
+    with _expected_unexpected_keys(cfg, extra), zero3_construction(ds_config):
         model = AutoModelForSequenceClassification.from_pretrained(path, config=cfg, dtype=dtype)
+        _fit_vocab(model, tokenizer)
+        _partition_new_parameters(model, ds_config)
     fp32_head(model.score)  # the value computed in float32 even when the engine runs bf16 (Fp32Linear)
-    _fit_vocab(model, tokenizer)
     model.config.use_cache = False
     return model
 
 
 def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
-                      likelihood_term: bool = False):
+                      likelihood_term: bool = False, ds_config: dict | None = None):
     """A reward model: :func:`load_value_model`, plus the folder's :class:`LikelihoodTerm` when it has one.
 
     ``likelihood_term`` adds a fresh term to a model that has none (step 2 from an SFT model): its next-token
     head starts as the folder's LM head (or the input embeddings, when the model ties them) and α as 1, so
-    the untrained reward model already ranks answers by how likely the SFT model finds them."""
+    the untrained reward model already ranks answers by how likely the SFT model finds them.  Under ZeRO-3
+    (``ds_config``) the term is built partitioned too and its weights are written in from rank 0."""
+    import deepspeed
+
     path = resolve_model_path(path)
-    model = load_value_model(path, tokenizer, dropout, dtype)
+    model = load_value_model(path, tokenizer, dropout, dtype, ds_config)
     has_term = bool(getattr(model.config, "likelihood_term", False))
     if not (has_term or likelihood_term):
         return model
-    attach_likelihood_term(model)
+    zero3 = hasattr(model.score.weight, "ds_id")
+    with deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext():
+        attach_likelihood_term(model)
+    if not zero3:
+        model.likelihood.to(model.score.weight.dtype)  # (zero.Init builds it in the config's dtype)
     if has_term:
         weights = _folder_tensors(path, ("likelihood.lm_head.weight", "likelihood.scale"))
         head, scale = weights["likelihood.lm_head.weight"], weights["likelihood.scale"]
@@ -217,15 +293,21 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
         if head is None:
             if not getattr(model.config, "tie_word_embeddings", False):
                 raise ValueError(f"{path}: no lm_head.weight to start the likelihood term from (is it a causal LM?)")
-            head = model.get_input_embeddings().weight.detach()
+            embedding = model.get_input_embeddings().weight
+            with deepspeed.zero.GatheredParameters([embedding], enabled=zero3):
+                head = embedding.detach().clone()
         scale = torch.tensor(1.0)
-    vocab = model.likelihood.lm_head.weight.shape[0]
+    term = model.likelihood
+    vocab = full_shape(term.lm_head.weight)[0]
     if head.shape[0] < vocab:  # the tokenizer gained tokens (_fit_vocab): they start at the mean row
         head = torch.cat([head, head.float().mean(0, keepdim=True).to(head.dtype).expand(vocab - head.shape[0], -1)])
-    with torch.no_grad():
-        model.likelihood.lm_head.weight.copy_(head[:vocab])
-        model.likelihood.scale.copy_(scale)
-    model.likelihood.to(model.score.weight.dtype)
+    from marlhf.utils import dist
+
+    # under ZeRO-3 rank 0 writes the gathered tensors and they are partitioned again on exit
+    with deepspeed.zero.GatheredParameters(list(term.parameters()), modifier_rank=0, enabled=zero3), torch.no_grad():
+        if not zero3 or dist.is_main():
+            term.lm_head.weight.copy_(head[:vocab])
+            term.scale.copy_(scale)
     return model
 
 
@@ -283,7 +365,7 @@ class LikelihoodTerm(nn.Module):
 def attach_likelihood_term(model: nn.Module) -> None:
     """Give a value model an (uninitialised) :class:`LikelihoodTerm` and mark its config, so that an export
     writes the term and :func:`load_reward_model` reads it back."""
-    model.likelihood = LikelihoodTerm(model.score.in_features, model.get_input_embeddings().weight.shape[0])
+    model.likelihood = LikelihoodTerm(model.score.in_features, full_shape(model.get_input_embeddings().weight)[0])
     model.config.likelihood_term = True
 
 

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from marlhf.errors import ConfigError, PlatformError
-from marlhf.models.loading import apply_lora, load_causal_lm, load_reward_model, load_value_model, resolve_model_path
+from marlhf.models.loading import (
+    apply_lora,
+    load_causal_lm,
+    load_options,
+    load_reward_model,
+    load_value_model,
+    resolve_model_path,
+    torch_dtype,
+    zero3_init_config,
+)
 from marlhf.rlhf.estimators import needs_critic
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_args, frozen_engine
@@ -118,16 +127,19 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     actor_total, critic_total = optimizer_steps(args, total_steps, with_ptx), optimizer_steps(args, total_steps)
     mb = args.per_device_training_batch_size
 
-    # actor: the SFT policy, trained
-    actor = load_causal_lm(actor_path, tokenizer, args.actor_dropout,
-                           end_of_conversation_token=args.end_of_conversation_token)
-    lora_dim = args.actor_lora_dim or args.lora_dim
-    if lora_dim > 0:
-        actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
-                           args.only_optimize_lora)
+    # every model is loaded in the run's dtype, and built partitioned when its engine is ZeRO-3
+    dtype = torch_dtype(args.dtype)
     hybrid, mp_lora = hybrid_engine_config(args), mixed_precision_lora_config(args)
     gpu_only = [f for f, on in (("--enable_hybrid_engine", hybrid), ("--enable_mixed_precision_lora", mp_lora)) if on]
     try:
+        # actor: the SFT policy, trained (built under ZeRO-3 with the engine's quantization / hpZ settings)
+        actor = load_causal_lm(actor_path, tokenizer, args.actor_dropout, dtype,
+                               end_of_conversation_token=args.end_of_conversation_token,
+                               ds_config=zero3_init_config(args.actor_zero_stage, args.offload, args.dtype, mp_lora))
+        lora_dim = args.actor_lora_dim or args.lora_dim
+        if lora_dim > 0:
+            actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
+                               args.only_optimize_lora)
         actor = engine_from_args(actor, args, actor_total, mb, role="actor",
                                  extra_config={**(hybrid or {}), **(mp_lora or {})})
     except (ValueError, RuntimeError, NotImplementedError) as err:
@@ -135,20 +147,25 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
             raise
         raise _gpu_only_error(gpu_only, err) from err
     # reference: frozen SFT policy for the KL penalty
-    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0), zero_stage=args.actor_zero_stage,
+    frozen_actor = load_options(args, args.actor_zero_stage, args.offload_reference_model)
+    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, **frozen_actor), zero_stage=args.actor_zero_stage,
                         offload=args.offload_reference_model, dtype=args.dtype)
     ema = None
     if args.enable_ema:
-        # float32 whatever --dtype (EMA_DTYPE): checkpointed, resumed and exported (actor_ema/) in float32
-        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, dtype=torch.float32,
-                                           end_of_conversation_token=args.end_of_conversation_token),
+        # float32 whatever --dtype (EMA_DTYPE): checkpointed, resumed and exported (actor_ema/) in float32; under
+        # ZeRO-3 built partitioned like the reference, in float32
+        ema_load = {"dtype": torch.float32, "ds_config": zero3_init_config(args.actor_zero_stage,
+                                                                           args.offload_reference_model, EMA_DTYPE)}
+        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0,
+                                           end_of_conversation_token=args.end_of_conversation_token, **ema_load),
                             zero_stage=args.actor_zero_stage,
                             offload=args.offload_reference_model, dtype=EMA_DTYPE)
     # critic: the reward model as initial value function, trained (macro GAE only); its score head only, not a
     # likelihood term the reward model may have (values are read from where no answer has started)
     critic = None
     if needs_critic(args.advantage_estimator):
-        critic = load_value_model(critic_path, tokenizer, args.critic_dropout)
+        critic = load_value_model(critic_path, tokenizer, args.critic_dropout,
+                                  **load_options(args, args.critic_zero_stage))
         if args.critic_lora_dim > 0:
             critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
                                 task="SEQ_CLS")
@@ -156,7 +173,10 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     # reward: frozen scorer (only when the reward source is the reward model)
     reward = None
     if reward_path is not None:
-        reward = frozen_engine(load_reward_model(reward_path, tokenizer, 0.0), zero_stage=args.critic_zero_stage,
+        reward = frozen_engine(load_reward_model(reward_path, tokenizer, 0.0,
+                                                 **load_options(args, args.critic_zero_stage,
+                                                                args.offload_reference_model)),
+                               zero_stage=args.critic_zero_stage,
                                offload=args.offload_reference_model, dtype=args.dtype)
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
              args.actor_zero_stage,

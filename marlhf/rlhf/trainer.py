@@ -81,6 +81,7 @@ class MAPPOTrainer:
         ckpt_root = Path(a.output_dir) / "checkpoints"
         tracker = Tracker(a.output_dir, a.tensorboard_path, a.enable_tensorboard, a.print_loss)
         step, epoch, done = 0, 0, 0
+        dist.seed_rank_streams(a.seed)  # the models are built: each rank samples its own answers from here
         if a.resume:
             state = checkpoint.load_checkpoint(ckpt_root, self.rlhf.trainable())
             if state is not None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from marlhf.errors import UserError
+from marlhf.errors import ConfigError, UserError
 from marlhf.utils import dist
 
 log = logging.getLogger("marlhf")
@@ -92,12 +92,20 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return folder
 
 
-def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
-    """Restore engines (weights, optimizer, scheduler) and RNGs from the latest checkpoint; its state or None."""
+def _latest_state(root: str | Path) -> tuple[str, dict] | None:
     folder = latest_checkpoint(root)
-    if folder is None:
+    return None if folder is None else (str(folder), json.loads((folder / "trainer_state.json").read_text()))
+
+
+def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
+    """Restore engines (weights, optimizer, scheduler) and RNGs from the latest checkpoint; its state or None.
+
+    Whether there is one, which, and its trainer state are read on rank 0 and sent to the others
+    (:func:`~marlhf.utils.dist.decide_on_main`): every rank then loads the same tag, or none does."""
+    found = dist.decide_on_main(lambda: _latest_state(root))
+    if found is None:
         return None
-    state = json.loads((folder / "trainer_state.json").read_text())
+    folder, state = Path(found[0]), found[1]
     check_topology(folder, state.get("topology"), topology(engines))
     for name, engine in engines.items():
         path, _ = engine.load_checkpoint(str(folder), tag=name, load_optimizer_states=True,
@@ -109,6 +117,37 @@ def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
         dist.set_rng_state(torch.load(rng, weights_only=False))
     log.info("resumed from %s (step %d)", folder, state["step"])
     return state
+
+
+def resumed_record(path: str | Path, resume: bool) -> dict | None:
+    """The JSON record at ``path`` when resuming and rank 0 has it, else None — on every rank alike (the
+    caller then recomputes it, collectively, e.g. step 3's initial evaluation)."""
+    path = Path(path)
+    return dist.decide_on_main(lambda: json.loads(path.read_text()) if resume and path.exists() else None)
+
+
+def require_shared_output(output_dir: str | Path, save_steps: int = 0, resume: bool = False) -> bool:
+    """Check (collectively, once per run) that every rank sees the same ``output_dir``; refuse checkpoints
+    when they do not.  Returns whether it is shared.
+
+    A DeepSpeed checkpoint is written by every rank into its own view of the folder: each rank's optimizer
+    (and, under ZeRO-3, parameter) partition, plus the module states from rank 0 that every rank reads back.
+    Without a shared filesystem the pieces end up on different nodes and no node can resume (or export) from
+    them, and ``latest`` / ``trainer_state.json`` exist on node 0 only.  Without checkpoints a run needs no
+    shared folder: logs, metrics and the exported model are written by rank 0, on node 0."""
+    if dist.shares_folder(output_dir):
+        return True
+    flags = [f for f, on in (("--save_steps", save_steps > 0), ("--resume", resume)) if on]
+    if flags:
+        raise ConfigError(
+            f"{' and '.join(flags)}: the ranks do not see the same --output_dir {output_dir} (a file rank 0 wrote "
+            f"there is missing on another node). DeepSpeed checkpoints are written by every rank into its own "
+            f"node's folder and read back from all of them, so checkpoints need an --output_dir on a filesystem "
+            f"all nodes share (NFS, Lustre, ...); or run without {' and '.join(flags)}.")
+    if dist.is_main():
+        log.warning("--output_dir %s is not shared by all nodes: logs, metrics and the exported model are written "
+                    "by rank 0 on this node only", output_dir)
+    return False
 
 
 def check_topology(folder: Path, saved: dict | None, current: dict) -> None:
