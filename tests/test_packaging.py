@@ -12,7 +12,7 @@ from conftest import REPO
 
 SOURCES = ["marlhf", "training", "scripts", "tests", "setup.py"]
 # the project's own top-level modules (and the tests' helpers beside them)
-LOCAL = {"marlhf", "conftest", "ppo_harness", "make_fixtures"} | {p.stem for p in (REPO / "tests").glob("test_*.py")}
+LOCAL = {"marlhf"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # the tests' own helper modules
 
 
 def declared() -> set[str]:
