@@ -134,8 +134,10 @@ class BaseArgs:
             raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.gradient_accumulation_steps < 1:
             raise ValueError("--gradient_accumulation_steps must be >= 1")
-        if self.only_optimize_lora and self.lora_dim <= 0:
-            raise ValueError("--only_optimize_lora needs --lora_dim > 0")
+        lora = max(self.lora_dim, getattr(self, "actor_lora_dim", 0), getattr(self, "critic_lora_dim", 0))
+        if self.only_optimize_lora and lora <= 0:
+            raise ValueError("--only_optimize_lora needs LoRA (--lora_dim, or step 3's --actor_lora_dim / "
+                             "--critic_lora_dim, > 0)")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not self.tensorboard_path:
@@ -159,6 +161,21 @@ class SupervisedArgs(BaseArgs):
     dropout: float | None = opt(None, "Override the model's dropout probabilities (None keeps the config's).")
     group_by_length: bool = opt(False, "Batch training examples of similar length (sorted within mega-batches of "
                                 "50 batches, the batches shuffled): less padding, the same examples per epoch.")
+
+    def validate(self) -> None:
+        super().validate()
+        _check_offload({"--zero_stage": self.zero_stage} if self.offload else {})
+
+
+def _check_offload(stages: dict[str, int]) -> None:
+    """``--offload`` is ZeRO-Offload: DeepSpeed moves the optimizer state to the CPU at stages 1-3 only.  At
+    stage 0 it leaves the parameters and gradients on the GPU, where DeepSpeedCPUAdam cannot update them (an
+    assertion at the first step on a GPU node), so the combination is refused for each engine it would reach."""
+    zero = [flag for flag, stage in stages.items() if stage == 0]
+    if zero:
+        raise ValueError(f"--offload needs ZeRO stage 1, 2 or 3 for every engine it offloads; {' and '.join(zero)} "
+                         f"{'is' if len(zero) == 1 else 'are'} 0 (DeepSpeed offloads optimizer state from stage 1, "
+                         f"parameters at stage 3): set {' and '.join(f'{f} 2' for f in zero)} (or 3)")
 
 
 @dataclass
@@ -337,6 +354,13 @@ class RLHFArgs(BaseArgs):
             raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
         self.validate_reward_flags()
         self.validate_estimator()
+        if self.offload:  # the actor, and the critic where the estimator trains one
+            from marlhf.rlhf.estimators import needs_critic
+
+            stages = {"--actor_zero_stage": self.actor_zero_stage}
+            if needs_critic(self.advantage_estimator):
+                stages["--critic_zero_stage"] = self.critic_zero_stage
+            _check_offload(stages)
         gen_rows = self.per_device_generation_batch_size * self.num_samples_per_prompt  # experiences per batch
         if self.per_device_training_batch_size > gen_rows * self.generation_batches:
             raise ValueError("--per_device_training_batch_size cannot exceed the experiences collected per update "

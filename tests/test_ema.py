@@ -47,7 +47,7 @@ def run(lr: float) -> dict[str, float]:
                 noise = torch.randn(master[n].shape, generator=g, dtype=torch.float64)
                 master[n] += lr * (direction[n].sign() + 0.5 * noise)
                 p.copy_(master[n].to(torch.bfloat16))  # the engine's bf16 weights
-        update_ema(SimpleNamespace(module=actor), SimpleNamespace(module=ema32), DECAY, zero_stage=0)
+        update_ema(SimpleNamespace(module=actor), SimpleNamespace(module=ema32), DECAY)
         bf = dict(actor.named_parameters())
         for n in names:
             ref64[n] = DECAY * ref64[n] + (1 - DECAY) * bf[n].detach().double()
@@ -92,7 +92,7 @@ def test_a_bf16_step3_engine_keeps_its_ema_in_float32_through_a_checkpoint(tmp_p
         for p in rlhf.actor.module.parameters():
             p.add_(torch.full_like(p, 2 ** -12))
     before = {n: p.detach().clone() for n, p in rlhf.ema.module.named_parameters()}
-    update_ema(rlhf.actor, rlhf.ema, args.ema_decay, args.actor_zero_stage)
+    update_ema(rlhf.actor, rlhf.ema, args.ema_decay)
     actor = dict(rlhf.actor.module.named_parameters())
     for n, p in rlhf.ema.module.named_parameters():
         want = before[n] + 0.5 * (actor[n].detach().float() - before[n])

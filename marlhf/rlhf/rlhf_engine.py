@@ -65,6 +65,61 @@ def hybrid_engine_config(args) -> dict | None:
                               "tp_gather_partition_size": args.tp_gather_partition_size}}
 
 
+# DeepSpeed 0.19's hybrid engine generates through its inference kernels, one container per decoder-layer class
+# (deepspeed/module_inject/replace_policy.py); a model without one has no ``_generate`` and fails on the first
+# rollout.  Read against DeepSpeed 0.19.8 and transformers 5, per model_type, why it cannot run:
+_HYBRID_REFUSED = {
+    "llama": "the injected layer returns a tuple where transformers 5's LlamaModel takes a tensor, grouped-query "
+             "attention (num_key_value_heads) is not passed to the kernel, and Llama-3's 'llama3' rope scaling is "
+             "not implemented",
+    "gpt2": "the injected layer returns a tuple where transformers 5's GPT2Model takes a tensor",
+    "gptj": "the injected layer returns a tuple where transformers 5's GPTJModel takes a tensor",
+    "gpt_neox": "the injected layer returns a tuple where transformers 5's GPTNeoXModel takes a tensor",
+    "opt": "DeepSpeed skips OPT's kernel for transformers' cache-based decoder layers",
+    "bloom": "DeepSpeed refuses its BLOOM kernel with transformers newer than 4.43.4",
+}
+# the one architecture with a kernel whose model reads the layer's output as a tuple: not refused here, not run
+# by us on a GPU either (the README's "Running on GPU" says so)
+HYBRID_ENGINE_ARCHITECTURES = ("gpt_neo",)
+
+
+def hybrid_engine_refusal(model_type: str, lora: bool) -> str | None:
+    """Why ``--enable_hybrid_engine`` cannot run this actor (None: DeepSpeed has a kernel that may).
+
+    Decided from the model's config before anything is built: the failure would otherwise come at the first
+    generation, after every model was loaded.  A peft (LoRA) actor is refused whatever its architecture: the
+    kernels read the base weights and ignore the adapter (DeepSpeed-Chat fuses its own LoRA layers, not peft's)."""
+    if lora:
+        return "the actor has LoRA adapters (peft), which the hybrid engine's kernels ignore"
+    if model_type in HYBRID_ENGINE_ARCHITECTURES:
+        return None
+    return _HYBRID_REFUSED.get(model_type, "DeepSpeed 0.19 has no inference kernel (container) for it")
+
+
+def check_hybrid_engine(args, actor_path: str) -> None:
+    """Refuse ``--enable_hybrid_engine`` (ConfigError) for an actor it cannot generate with, naming why."""
+    if not args.enable_hybrid_engine:
+        return
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(actor_path).model_type
+    reason = hybrid_engine_refusal(model_type, bool(args.actor_lora_dim or args.lora_dim))
+    if reason:
+        raise ConfigError(f"--enable_hybrid_engine cannot run the actor {actor_path} (model_type {model_type!r}): "
+                          f"{reason}. Drop the flag: generation then runs through the model's own generate() "
+                          f"(under ZeRO-3 see --zero3_generation). DeepSpeed 0.19 has kernels that may run for: "
+                          f"{', '.join(HYBRID_ENGINE_ARCHITECTURES)}.")
+
+
+def frozen_zero_stage(stage: int, offload: bool) -> int:
+    """The ZeRO stage of a frozen model (reference, EMA, reward model) beside a trained one at ``stage``.
+
+    DeepSpeed offloads parameters only under ZeRO-3, so ``--offload_reference_model`` builds the frozen models
+    at stage 3 (partitioned, parameters on the CPU, gathered layer by layer per forward) whatever the trained
+    model's stage; without it they follow the trained model (stage 3 partitioned, stages 0-2 whole)."""
+    return 3 if offload else stage
+
+
 def mixed_precision_lora_config(args) -> dict | None:
     """DeepSpeed-Chat's --enable_mixed_precision_lora: ZeRO-3 keeps the frozen (non-LoRA) actor weights
     quantized, partitioned hierarchically per node; only the LoRA weights train in full precision."""
@@ -73,10 +128,14 @@ def mixed_precision_lora_config(args) -> dict | None:
     if not (args.actor_lora_dim or args.lora_dim) or args.actor_zero_stage != 3:
         raise ConfigError("--enable_mixed_precision_lora needs LoRA on the actor (--actor_lora_dim > 0) and "
                          "--actor_zero_stage 3")
-    from deepspeed.accelerator import get_accelerator
-
+    if not args.only_optimize_lora:
+        # DeepSpeed quantizes the non-trainable weights only: with the base weights training, nothing is
+        raise ConfigError("--enable_mixed_precision_lora quantizes the frozen base weights, so it needs "
+                         "--only_optimize_lora (without it every weight trains and none is quantized)")
+    # hpZ keeps a secondary copy of the weights within a node: its partition is the node's ranks, not the
+    # devices a rank can see (a launcher may give each rank one visible device)
     return {"zero_optimization": {"zero_quantized_nontrainable_weights": True,
-                                  "zero_hpz_partition_size": max(1, get_accelerator().device_count())}}
+                                  "zero_hpz_partition_size": dist.local_world_size()}}
 
 
 def _gpu_only_error(flags: list[str], err: Exception) -> PlatformError:
@@ -127,6 +186,7 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     actor_total, critic_total = optimizer_steps(args, total_steps, with_ptx), optimizer_steps(args, total_steps)
     mb = args.per_device_training_batch_size
 
+    check_hybrid_engine(args, actor_path)  # before any model is loaded
     # every model is loaded in the run's dtype, and built partitioned when its engine is ZeRO-3
     dtype = torch_dtype(args.dtype)
     hybrid, mp_lora = hybrid_engine_config(args), mixed_precision_lora_config(args)
@@ -147,18 +207,19 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
             raise
         raise _gpu_only_error(gpu_only, err) from err
     # reference: frozen SFT policy for the KL penalty
-    frozen_actor = load_options(args, args.actor_zero_stage, args.offload_reference_model)
-    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, **frozen_actor), zero_stage=args.actor_zero_stage,
+    ref_stage = frozen_zero_stage(args.actor_zero_stage, args.offload_reference_model)
+    frozen_actor = load_options(args, ref_stage, args.offload_reference_model)
+    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, **frozen_actor), zero_stage=ref_stage,
                         offload=args.offload_reference_model, dtype=args.dtype)
     ema = None
     if args.enable_ema:
         # float32 whatever --dtype (EMA_DTYPE): checkpointed, resumed and exported (actor_ema/) in float32; under
         # ZeRO-3 built partitioned like the reference, in float32
-        ema_load = {"dtype": torch.float32, "ds_config": zero3_init_config(args.actor_zero_stage,
-                                                                           args.offload_reference_model, EMA_DTYPE)}
+        ema_load = {"dtype": torch.float32,
+                    "ds_config": zero3_init_config(ref_stage, args.offload_reference_model, EMA_DTYPE)}
         ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0,
                                            end_of_conversation_token=args.end_of_conversation_token, **ema_load),
-                            zero_stage=args.actor_zero_stage,
+                            zero_stage=ref_stage,
                             offload=args.offload_reference_model, dtype=EMA_DTYPE)
     # critic: the reward model as initial value function, trained (macro GAE only); its score head only, not a
     # likelihood term the reward model may have (values are read from where no answer has started)
@@ -173,10 +234,10 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     # reward: frozen scorer (only when the reward source is the reward model)
     reward = None
     if reward_path is not None:
+        reward_stage = frozen_zero_stage(args.critic_zero_stage, args.offload_reference_model)
         reward = frozen_engine(load_reward_model(reward_path, tokenizer, 0.0,
-                                                 **load_options(args, args.critic_zero_stage,
-                                                                args.offload_reference_model)),
-                               zero_stage=args.critic_zero_stage,
+                                                 **load_options(args, reward_stage, args.offload_reference_model)),
+                               zero_stage=reward_stage,
                                offload=args.offload_reference_model, dtype=args.dtype)
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
              args.actor_zero_stage,
@@ -187,7 +248,7 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
 
 
 @torch.no_grad()
-def update_ema(actor, ema, decay: float, zero_stage: int) -> None:
+def update_ema(actor, ema, decay: float) -> None:
     """ema ← decay · ema + (1 − decay) · actor, parameter by parameter (gathered under ZeRO-3), in the EMA's
     dtype (float32, :data:`EMA_DTYPE`) from the actor's weights as the engine holds them (bf16 in a bf16 run:
     each differs from the optimizer's float32 master by at most half a bf16 step, an error that does not
@@ -198,7 +259,8 @@ def update_ema(actor, ema, decay: float, zero_stage: int) -> None:
     a_params = dict(actor.module.named_parameters())
     for name, p_ema in ema.module.named_parameters():
         p = a_params[name]
-        params = [q for q in (p, p_ema) if hasattr(q, "ds_id")] if zero_stage == 3 else []
+        # the ZeRO-3 partitioned ones (the actor's at --actor_zero_stage 3; the EMA's then or when offloaded)
+        params = [q for q in (p, p_ema) if hasattr(q, "ds_id")]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
             if not params or dist.is_main():
                 p_ema.data.lerp_(p.data.to(p_ema.dtype), 1.0 - decay)  # ema + (1 − decay)(actor − ema)

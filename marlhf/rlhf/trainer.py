@@ -110,7 +110,7 @@ class MAPPOTrainer:
                 train_stats = self.ppo_update(exps, ptx)
                 train_stats.update(self.guard.end_step(step + 1))
                 if self.rlhf.ema is not None:
-                    update_ema(self.rlhf.actor, self.rlhf.ema, a.ema_decay, a.actor_zero_stage)
+                    update_ema(self.rlhf.actor, self.rlhf.ema, a.ema_decay)
                 step += 1
                 # 5. log, print, checkpoint
                 stats = {k: sum(s[k] for s in gen_stats) / len(gen_stats) for k in gen_stats[0]}

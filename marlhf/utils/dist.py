@@ -66,6 +66,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def local_world_size() -> int:
+    """Ranks on this node (the launcher's LOCAL_WORLD_SIZE; the whole world when it is not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
 def is_main() -> bool:
     return rank() == 0
 
