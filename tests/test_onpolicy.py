@@ -155,3 +155,27 @@ def test_command_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="--annotator"):
         write_generations(gen, [("p", ["x", "y"])])
         label_main(["--generations", str(gen), "--annotator", "oracle", "--output", str(tmp_path / "o")])
+
+
+def test_experiment_script_scores_pairs_against_the_gold_order(tmp_path):
+    """scripts/onpolicy_reward.py's accuracy: right when the model orders a pair as the gold scores do
+    (whatever the annotator's coin said), per gold-gap bucket; ties count against the label."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("onpolicy_reward", REPO / "scripts" / "onpolicy_reward.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    golds = [(0.9, 0.5), (0.5, 0.9), (0.60, 0.55), (0.7, 0.7), (0.7, 0.7)]  # 2nd: the annotator's coin flipped
+    said = [(1.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 0.0), (0.0, 1.0)]  # model's (chosen, rejected) scores
+    pairs, scores = tmp_path / "p.jsonl", tmp_path / "s.jsonl"
+    pairs.write_text("".join(json.dumps({"meta": {"annotator_scores": list(g)}}) + "\n" for g in golds))
+    scores.write_text("".join(json.dumps({"chosen_score": c, "rejected_score": r}) + "\n" for c, r in said))
+    acc = mod.pair_accuracy(pairs, scores)
+    assert acc["gap >= 0.1"] == {"accuracy": 0.5, "pairs": 2}  # right on the first, wrong on the flipped one
+    assert acc["0 < gap < 0.1"] == {"accuracy": 0.0, "pairs": 1}
+    assert acc["tie"] == {"accuracy": 0.5, "pairs": 2}
+    assert acc["gold separated"] == {"accuracy": 1 / 3, "pairs": 3}
+    assert acc["all pairs"] == {"accuracy": 0.4, "pairs": 5}
+    assert mod.mean_se([1.0, 2.0, 3.0]) == (2.0, math.sqrt(1 / 3))
