@@ -110,7 +110,7 @@ def dpo_objective(pad_id: int, reference, beta: float, kind: str = "sigmoid"):
             ref_c, ref_r = pair_logprobs(reference, batch)
         pol_c, pol_r = pair_logprobs(model, batch)
         value, stats = preference_loss(kind, pol_c, pol_r, ref_c, ref_r, beta)
-        return value, {"loss": value.item(), **{k: v.item() for k, v in stats.items()}}
+        return value, {"loss": value.detach(), **stats}  # tensors: the loop reads them once per step
 
     @torch.no_grad()
     def evaluate(model, loader) -> dict:

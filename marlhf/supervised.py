@@ -36,27 +36,28 @@ log = logging.getLogger("marlhf")
 class Objective:
     name: str
     collator: Callable
-    loss: Callable  # (model, batch) -> (loss, {metric: float}); the loss is a mean over count(batch) units
+    loss: Callable  # (model, batch) -> (loss, {metric: 0-d tensor}); the loss is a mean over count(batch) units
     evaluate: Callable  # (model, loader) -> {metric: float}
     count: Callable = None  # batch -> units the loss averages over (response tokens / pairs), see optim_step
     length: Callable = None  # example -> its tokens, for --group_by_length
 
 
-def answer_nll(model, batch: dict) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL of the labelled (response) tokens, and their count; only the columns that
-    predict one go through the vocabulary projection (:func:`~marlhf.models.loading.labelled_logits`)."""
+def answer_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token NLL of the labelled (response) tokens, and their count (a device tensor: nothing is
+    read on the host); only the columns that predict one go through the vocabulary projection
+    (:func:`~marlhf.models.loading.labelled_logits`)."""
     logits, targets = labelled_logits(model, batch)
     # chunked float32 log-probs (marlhf.models.logprobs): cross_entropy on a float32 copy of the logits would
     # keep that (B, K, V) copy for backward
     logp = token_logprobs(logits, targets.clamp(min=0))
-    nll = -torch.where(targets != -100, logp, 0.0).sum()
-    return nll, sft_count(batch)
+    labelled = targets != -100
+    return -torch.where(labelled, logp, 0.0).sum(), labelled.sum()
 
 
 def sft_loss(model, batch: dict):
     nll, count = answer_nll(model, batch)
-    loss = nll / max(count, 1)
-    return loss, {"loss": loss.item()}
+    loss = nll / count.clamp(min=1)
+    return loss, {"loss": loss.detach()}  # read on the host once per step, by the loop
 
 
 @torch.no_grad()
@@ -66,7 +67,7 @@ def sft_evaluate(model, loader) -> dict:
     total = torch.zeros(2, dtype=torch.float64)
     for batch in loader:
         nll, count = answer_nll(model, _to_device(batch))
-        total += torch.tensor([nll.item(), count], dtype=torch.float64)
+        total += torch.tensor([nll.item(), count.item()], dtype=torch.float64)
     model.train()
     total = all_reduce_sum(total)
     loss = (total[0] / total[1].clamp(min=1)).item()
@@ -126,7 +127,7 @@ def reward_loss(model, batch: dict, label_smoothing: float = 0.0, kind: str = "l
         loss = divergence_pairwise_loss(values, batch["input_ids"], batch["attention_mask"], label_smoothing)
     else:
         loss = pairwise_loss(chosen, rejected, label_smoothing)
-    return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item()}
+    return loss, {"loss": loss.detach(), "accuracy": (chosen > rejected).float().mean()}
 
 
 @torch.no_grad()
@@ -222,14 +223,16 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
         it = iter(loader)
         while done_in_epoch < steps_per_epoch and step < total:
             # one optimizer step: its ga micro-batches are counted (on all ranks) before the first backward
-            window = [_to_device(next(it)) for _ in range(ga)]
+            window = [next(it) for _ in range(ga)]  # counted on the host, before they move to the device
             mults = loss_multipliers([objective.count(b) for b in window], [0] * ga, ga, args.loss_aggregation)
             for batch, mult in zip(window, mults):
-                loss, metrics = objective.loss(engine, batch)
+                loss, metrics = objective.loss(engine, _to_device(batch))
                 guard.backward(engine, loss * mult, "loss")
                 guard.step(engine)
             done_in_epoch += 1
             step += 1
+            metrics = dict(zip(metrics, torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(())
+                                                     for v in metrics.values()]).tolist()))  # one host read
             metrics.update(guard.end_step(step))
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")

@@ -88,7 +88,7 @@ def test_sft_nll_and_dpo_logprobs_match_a_loop_over_full_logits(arch):
         assert count == sft_count(batch) == sum(a for _, a in ROWS)
         assert nll.item() == pytest.approx(-sum(per_row), rel=_tol(model))
         loss, metrics = sft_loss(model, batch)
-        assert loss.item() == pytest.approx(-sum(per_row) / count, rel=_tol(model)) == metrics["loss"]
+        assert loss.item() == pytest.approx(-sum(per_row) / count, rel=_tol(model)) == metrics["loss"].item()
         start = first_labelled_column(batch["labels"])
         assert start == 1  # the earliest answer token is at column 2
         got = labelled_logprobs(model, batch)

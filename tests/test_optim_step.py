@@ -40,17 +40,23 @@ def test_loss_multipliers_make_a_token_mean_over_each_window():
 
 
 class _Engine:
-    """What StepGuard sees of a DeepSpeed engine: backward, step, skipped_steps."""
+    """What StepGuard sees of a DeepSpeed engine: backward, step, skipped_steps (and fp16_enabled).
+    ``overflow``: the next step's gradient overflows the fp16 loss scale although the loss is finite;
+    ``unchecked``: an optimizer that applies a non-finite step (DeepSpeed < 0.19.8 at some stages)."""
 
-    def __init__(self):
-        self.skipped_steps, self.grad = 0, None
+    def __init__(self, fp16=False, unchecked=False):
+        self.skipped_steps, self.grad, self.fp16, self.unchecked, self.overflow = 0, None, fp16, unchecked, False
+
+    def fp16_enabled(self):
+        return self.fp16
 
     def backward(self, loss):
         self.grad = loss.detach()
 
     def step(self):
-        if not torch.isfinite(self.grad):
+        if (not torch.isfinite(self.grad) and not self.unchecked) or self.overflow:
             self.skipped_steps += 1
+        self.overflow = False
 
 
 def test_guard_drops_non_finite_updates_and_stops_after_too_many():
@@ -58,7 +64,7 @@ def test_guard_drops_non_finite_updates_and_stops_after_too_many():
     guard.backward(eng, torch.tensor(float("inf")), "loss")
     assert torch.isnan(eng.grad)  # poisoned: inf * NaN, so every optimizer sees a non-finite gradient
     guard.step(eng)
-    assert guard.end_step(1) == {"skipped_updates": 1.0, "skipped_steps_total": 1.0}
+    assert guard.end_step(1) == {"skipped_updates": 1.0, "overflow_steps": 0.0, "skipped_steps_total": 1.0}
     guard.backward(eng, torch.tensor(0.5), "loss")
     guard.step(eng)
     assert guard.end_step(2)["skipped_updates"] == 0.0 and guard.consecutive == 0  # a good step resets the run
@@ -70,6 +76,84 @@ def test_guard_drops_non_finite_updates_and_stops_after_too_many():
     with pytest.raises(NonFiniteError, match=r"step 4: 2 consecutive steps had a non-finite loss \(1 micro-batches\)"
                                              r".*--max_skipped_steps 2\).*last checkpoint is intact"):
         guard.end_step(4)
+
+
+def test_fp16_overflow_is_counted_apart_and_never_stops_the_run():
+    """A loss-scale overflow (finite loss, DeepSpeed's fp16 scaler skipped the step) is routine: it counts as
+    overflow_steps, not toward --max_skipped_steps, and ``dropped`` (which drops the critic's update with the
+    actor's) does not see it; a NaN loss under fp16 is still a non-finite step."""
+    guard, eng = StepGuard(max_skipped=1), _Engine(fp16=True)
+    for step in (1, 2, 3):
+        eng.overflow = True
+        guard.backward(eng, torch.tensor(0.5), "loss")
+        guard.step(eng)
+        assert guard.dropped == 0
+        assert guard.end_step(step) == {"skipped_updates": 0.0, "overflow_steps": 1.0, "skipped_steps_total": 0.0}
+    assert guard.total_overflow == 3 and guard.consecutive == 0
+    guard.backward(eng, torch.tensor(float("nan")), "loss")
+    guard.step(eng)
+    assert guard.dropped == 1
+    with pytest.raises(NonFiniteError, match="1 consecutive steps had a non-finite loss"):
+        guard.end_step(4)
+
+
+def test_a_non_finite_step_the_optimizer_applied_stops_the_run():
+    """An optimizer that does not check the gradient (DeepSpeed < 0.19.8 for fp32 ZeRO-1/2 and ZeRO-3) would
+    apply the NaN'd step: the guard sees the window's non-finite loss but no dropped step and stops at once."""
+    guard, eng = StepGuard(max_skipped=0), _Engine(unchecked=True)
+    guard.backward(eng, torch.tensor(0.5), "loss")
+    guard.step(eng)
+    assert guard.end_step(1)["skipped_updates"] == 0.0
+    guard.backward(eng, torch.tensor(float("nan")), "loss")
+    guard.step(eng)
+    with pytest.raises(NonFiniteError, match=r"step 2: 1 optimizer step\(s\) with a non-finite loss were applied.*"
+                                             r"deepspeed>=0.19.8"):
+        guard.end_step(2)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_drops_a_nan_window_and_applies_the_next(stage, dtype):
+    """The installed DeepSpeed, per ZeRO stage and dtype: a window (2 micro-batches) with one NaN loss leaves
+    every weight, the optimizer state and the learning rate as they were; the next, finite window is applied."""
+    import deepspeed
+
+    from marlhf.utils import dist
+    from marlhf.utils.ds_engine import train_engine
+
+    dist.init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    engine = train_engine(model, lr=1e-2, weight_decay=0.0, lora_lr=1e-2, micro_batch=2, grad_accum=2,
+                          zero_stage=stage, offload=False, dtype=dtype, scheduler="linear", warmup=0, total_steps=10)
+    guard = StepGuard(max_skipped=0)
+    x = torch.randn(2, 4).to(next(engine.module.parameters()).dtype)
+
+    def window(bad: bool):
+        for k in range(2):
+            loss = engine(x).float().pow(2).mean()
+            guard.backward(engine, loss * float("nan") if bad and k == 1 else loss, "loss")
+            guard.step(engine)
+
+    def full_state():
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+            return [p.detach().float().clone() for p in engine.module.parameters()]
+
+    window(False)
+    guard.end_step(1)
+    before, lr = full_state(), engine.get_lr()[0]
+    opt_state = {k: v.clone() for k, v in engine.optimizer.state_dict().items() if torch.is_tensor(v)}
+    window(True)
+    assert guard.end_step(2)["skipped_updates"] == 1.0
+    after = full_state()
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert engine.get_lr()[0] == lr
+    assert all(torch.equal(v, engine.optimizer.state_dict()[k]) for k, v in opt_state.items())
+    window(False)
+    assert guard.end_step(3)["skipped_updates"] == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(full_state(), before)) and engine.get_lr()[0] != lr
 
 
 def test_guarded_optimizer_leaves_weights_and_state_untouched_on_a_nan_gradient():
@@ -236,7 +320,8 @@ def test_a_non_finite_batch_is_skipped_as_if_it_was_not_there(nano, experience, 
     init = weights(t)
     stats = t.ppo_update([bad])
     assert math.isnan(stats["actor_loss"])
-    assert t.guard.end_step(1) == {"skipped_updates": 2.0, "skipped_steps_total": 1.0}  # actor's and critic's
+    # the actor's and the critic's
+    assert t.guard.end_step(1) == {"skipped_updates": 2.0, "overflow_steps": 0.0, "skipped_steps_total": 1.0}
     assert max_diff(weights(t), init) == 0.0
     t.ppo_update([batches[1]])
     clean = update(nano, work / (inject.__name__ + "_clean"), batches[1:])
@@ -314,3 +399,54 @@ def test_sft_run_drops_a_nan_step_then_stops_after_too_many_keeping_the_last_che
     w1 = torch.load(next((out / "checkpoints/step00000001").rglob("mp_rank_00_model_states.pt")), weights_only=False)
     w3 = torch.load(next((out / "checkpoints/step00000003").rglob("mp_rank_00_model_states.pt")), weights_only=False)
     assert all(torch.equal(w1["module"][k], w3["module"][k]) for k in w1["module"])
+
+
+def _count_host_reads(monkeypatch) -> list[str]:
+    """Record every read of a tensor's value on the host (``item``, ``tolist``, ``bool``, ``float``, ``int``)
+    made directly by the project's code (DeepSpeed's own, e.g. its gradient norm, is not ours to batch)."""
+    import sys
+
+    calls: list[str] = []
+    marlhf_dir = str(REPO / "marlhf")
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _real=real, _name=name, **k):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(marlhf_dir):
+                calls.append(f"{_name} {caller.co_filename[len(marlhf_dir) + 1:]}:{caller.co_name}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("ptx", [False, True], ids=["plain", "ptx"])
+def test_ppo_update_reads_the_device_a_fixed_number_of_times_whatever_the_micro_batches(nano, experience, ptx,
+                                                                                       monkeypatch, tmp_path):
+    """One PPO update of 8 answers in 1 micro-batch or in 4 (2 x 4 accumulation): the same number of host
+    reads (issue 29: none per micro-batch), a handful in all; the update's statistics are those the old
+    per-micro-batch .item() gave (float64 means of the same values)."""
+    from marlhf.rlhf.update import ppo_update
+
+    _, batches = experience
+    reads, stats = {}, {}
+    for mb, g in ((8, 1), (2, 4)):
+        t = make_trainer(rlhf_args(nano, tmp_path / f"{mb}", per_device_training_batch_size=mb,
+                                   gradient_accumulation_steps=g))
+        ptx_batches = None
+        if ptx:
+            ids = batches[0].seq[:mb]
+            labels = ids.masked_fill(batches[0].attention_mask[:mb] == 0, -100)
+            ptx_batches = iter([{"input_ids": ids, "attention_mask": batches[0].attention_mask[:mb],
+                                 "labels": labels}] * 16)
+        with pytest.MonkeyPatch.context() as mp:
+            calls = _count_host_reads(mp)
+            stats[mb] = ppo_update(t.rlhf.actor, t.rlhf.critic, t.guard, [batches[0]], t.update, ptx_batches)
+            t.guard.end_step(1)
+        reads[mb] = calls
+    # the counts (1, 2 with ptx), each loss's window totals (2, 3 with ptx), the ZeRO-0 fp32 optimizers'
+    # finiteness check (one per optimizer step: 2, 3 with ptx's second actor step), the statistics, end_step
+    assert len(reads[8]) == len(reads[2]) == (10 if ptx else 7), reads
+    assert set(stats[8]) == set(stats[2]) and {"actor_loss", "critic_loss", "clipfrac"} <= set(stats[8])
+    assert all(math.isfinite(v) for v in stats[2].values())

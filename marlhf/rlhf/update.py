@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from marlhf.rlhf.estimators import kl_loss
 from marlhf.rlhf.ppo_math import policy_loss, value_loss
 from marlhf.rlhf.rollout import Experience, critic_values, logprob_temperature, policy_logprobs
@@ -60,14 +62,15 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
     plan = [mb for _ in range(s.ppo_epochs) for exp in exps for mb in exp.split(s.micro_batch)]
     ptx = [next(ptx_batches) for _ in plan] if ptx_batches is not None else None
     per_actor = 2 if ptx is not None else 1  # actor micro-steps per micro-batch
-    tokens = [int(mb.mask.sum()) for mb in plan]
+    # one host transfer for all counts (no sync per micro-batch)
+    tokens = [int(n) for n in torch.stack([mb.mask.sum() for mb in plan]).tolist()] if plan else []
     pl_mult = loss_multipliers(tokens, [per_actor * i // G for i in range(len(plan))], G, s.loss_aggregation)
     vl_mult = loss_multipliers(tokens, [i // G for i in range(len(plan))], G, s.loss_aggregation)
     if ptx is not None:
-        ptx_tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in ptx]
+        ptx_tokens = [int(n) for n in torch.stack([(b["labels"][:, 1:] != -100).sum() for b in ptx]).tolist()]
         ptx_mult = loss_multipliers(ptx_tokens, [(2 * i + 1) // G for i in range(len(plan))], G,
                                     s.loss_aggregation)
-    totals: dict[str, float] = {}
+    totals: dict[str, torch.Tensor] = {}  # summed on the device, read once at the end
     for i, mb in enumerate(plan):
         if i % G == 0:
             dropped_before = guard.dropped  # the critic's window starts
@@ -82,7 +85,7 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
                 pl = pl + s.kl_ctl * kl
             guard.backward(actor, pl * pl_mult[i], "actor loss")
             guard.step(actor)
-        stats = {"actor_loss": pl.item(), **{k: float(v) for k, v in pstats.items()}}
+        stats = {"actor_loss": pl.detach(), **pstats}
         if critic is not None:
             with timer("train/critic"):
                 values = critic_values(critic, mb.seq, mb.attention_mask, P)
@@ -92,13 +95,16 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
                 actor_dropped = i % G == G - 1 and guard.dropped > dropped_before
                 guard.backward(critic, vl * vl_mult[i], "critic loss", drop=actor_dropped)
                 guard.step(critic)
-            stats.update(critic_loss=vl.item(), **{k: float(v) for k, v in vstats.items()})
+            stats.update(critic_loss=vl.detach(), **vstats)
         if ptx is not None:
             with timer("train/ptx"):
                 out = actor(**ptx[i], use_cache=False).loss
                 guard.backward(actor, s.unsup_coef * out * ptx_mult[i], "ptx loss")
                 guard.step(actor)
-            stats["ptx_loss"] = out.item()
+            stats["ptx_loss"] = out.detach()
         for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + v
-    return {k: v / max(len(plan), 1) for k, v in totals.items()}
+            totals[k] = totals.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float64, device=pl.device)
+    if not totals:
+        return {}
+    means = (torch.stack(list(totals.values())) / len(plan)).tolist()
+    return dict(zip(totals, means))
