@@ -85,6 +85,7 @@ def test_sft_nll_and_dpo_logprobs_match_a_loop_over_full_logits(arch):
             per_row.append(sum(_logp(full[b, t - 1].tolist(), ids[t]) for t in range(start, len(ids))))
         columns = _projected_columns(model)
         nll, count = answer_nll(model, batch)
+        count = count.item()  # a device tensor: the training loop reads nothing per micro-batch
         assert count == sft_count(batch) == sum(a for _, a in ROWS)
         assert nll.item() == pytest.approx(-sum(per_row), rel=_tol(model))
         loss, metrics = sft_loss(model, batch)
