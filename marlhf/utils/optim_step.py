@@ -63,7 +63,8 @@ def loss_multipliers(counts: list[int], windows: list[int], grad_accum: int, mod
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of a small CPU tensor over all ranks (returned on the CPU)."""
+    """Sum of a small tensor over all ranks: on the CPU when reduced, as given on a single rank (a device
+    tensor stays there, so reading the result is the one host transfer)."""
     if dist.world_size() > 1:
         import torch.distributed as tdist
 
@@ -155,7 +156,7 @@ class StepGuard:
             return
         fp16 = bool(engine.fp16_enabled()) if hasattr(engine, "fp16_enabled") else False
         # DeepSpeed drops a step on every rank alike, so all ranks reach this collective together
-        if fp16 and not (flag is not None and all_reduce_sum(flag.float().reshape(1).cpu()).item() > 0):
+        if fp16 and not (flag is not None and all_reduce_sum(flag.float().reshape(1)).item() > 0):
             self._windows.append((flag, "overflow"))  # finite losses everywhere: the loss scale overflowed
             return
         self._windows.append((flag, "dropped"))
@@ -172,7 +173,7 @@ class StepGuard:
         parts = [bad.get(q, 0) for q in QUANTITIES] + [0 if f is None else f for f, _ in windows]
         dev = next((t.device for t in parts if torch.is_tensor(t)), torch.device("cpu"))
         sums = all_reduce_sum(torch.stack([torch.as_tensor(t, dtype=torch.float32, device=dev).reshape(())
-                                           for t in parts]).cpu()).tolist()
+                                           for t in parts])).tolist()
         counts, flags = sums[:len(QUANTITIES)], sums[len(QUANTITIES):]
         applied_bad = sum(1 for n, (_, did) in zip(flags, windows) if n > 0 and did == "applied")
         overflow = sum(1 for _, did in windows if did == "overflow")
