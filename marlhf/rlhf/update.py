@@ -66,7 +66,7 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
     tokens = [int(n) for n in torch.stack([mb.mask.sum() for mb in plan]).tolist()] if plan else []
     pl_mult = loss_multipliers(tokens, [per_actor * i // G for i in range(len(plan))], G, s.loss_aggregation)
     vl_mult = loss_multipliers(tokens, [i // G for i in range(len(plan))], G, s.loss_aggregation)
-    if ptx is not None:
+    if ptx:
         ptx_tokens = [int(n) for n in torch.stack([(b["labels"][:, 1:] != -100).sum() for b in ptx]).tolist()]
         ptx_mult = loss_multipliers(ptx_tokens, [(2 * i + 1) // G for i in range(len(plan))], G,
                                     s.loss_aggregation)
