@@ -23,27 +23,11 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
+from marlhf.cli.quickstart import ONPOLICY_TAU, marlhf_cmd, onpolicy_reward_model, run_logged
+
 METRICS = ("gold_score", "gold_invented", "gold_repeated", "eos_rate", "kl", "rm_score")
-
-
-def run(cmd: list[str], log: Path) -> float:
-    """Run a marlhf command, its output to ``log``; seconds taken.  Fails loudly with the log's tail."""
-    start = time.time()
-    with open(log, "w") as f:
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if done.returncode:
-        tail = log.read_text()[-3000:]
-        sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n--- {log} ---\n{tail}")
-    return time.time() - start
-
-
-def marlhf(*args: str) -> list[str]:
-    return [sys.executable, "-m", "marlhf", *args]
 
 
 def pair_accuracy(pairs: Path, scores: Path) -> dict:
@@ -75,10 +59,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="A finished main job's output folder (step1/, step2/, step3/)")
     p.add_argument("--out", required=True, help="Folder of this experiment's outputs")
-    p.add_argument("--samples", type=int, default=4, help="Answers per step-2 prompt (pairs: 0-1, 2-3, ...)")
-    p.add_argument("--tau", type=float, default=0.05, help="The annotator's Bradley-Terry temperature")
-    p.add_argument("--rm_epochs", type=int, default=3)
-    p.add_argument("--rm_learning_rate", type=float, default=1e-4)
+    p.add_argument("--samples", type=int, default=2, help="Answers per step-2 prompt (pairs: 0-1, 2-3, ...)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2], help="Step-3 seeds")
     p.add_argument("--eval_prompts", type=int, default=256)
     p.add_argument("--report", default="docs/results/onpolicy_reward.md")
@@ -86,35 +67,15 @@ def main(argv=None) -> int:
     run_dir, out = Path(args.run).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     step3 = json.loads((run_dir / "step3" / "args.json").read_text())
-    step2 = json.loads((run_dir / "step2" / "args.json").read_text())
-    seconds = {}
 
-    # 1-2. the SFT policy's answers to step 2's prompts, paired and labelled
-    answers = out / "answers.jsonl"
-    if not (out / "pairs" / "label.json").exists():
-        seconds["generate"] = run(marlhf(
-            "generate", "--model", str(run_dir / "step1"), "--data_path", *step3["data_path"], "--split", "train",
-            "--phase", "2", "--data_split", step3["data_split"], "--data_seed", str(step3["seed"]),
-            "--eval_fraction", str(step3["eval_fraction"]), "--num_samples", str(args.samples),
-            "--max_new_tokens", str(step3["max_answer_seq_len"]), "--max_prompt_len",
-            str(step3["max_prompt_seq_len"]), "--temperature", str(step3["temperature"]), "--top_k",
-            str(step3["top_k"]), "--seed", "8", "--output", str(answers), "--no_progress"), out / "generate.log")
-        run(marlhf("label", "--generations", str(answers), "--annotator", "gold", "--tau", str(args.tau),
-                   "--seed", "1", "--eval_fraction", "0.15", "--output", str(out / "pairs")), out / "label.log")
+    # 1-3. the SFT policy's answers to step 2's prompts, paired and labelled; the reward model trained on them
+    # (what `marlhf quickstart` does between steps 2 and 3)
+    seconds = onpolicy_reward_model(
+        run_dir / "step1", run_dir / "step2", out, args.samples,
+        generation={"max_new_tokens": step3["max_answer_seq_len"], "max_prompt_len": step3["max_prompt_seq_len"],
+                    "temperature": step3["temperature"], "top_k": step3["top_k"]})
     counts = json.loads((out / "pairs" / "label.json").read_text())["counts"]
-
-    # 3. the step-2 reward model, continued on the policy pairs
-    rm = out / "rm_onpolicy"
-    if not (rm / "model.safetensors").exists():
-        seconds["rm"] = run(marlhf(
-            "rm", "--model_name_or_path", str(run_dir / "step2"), "--data_path", str(out / "pairs"),
-            "--data_split", "0,1,0", "--data_output_path", str(out / "data"), "--output_dir", str(rm),
-            "--max_seq_len", str(step2["max_seq_len"]), "--per_device_train_batch_size",
-            str(step2["per_device_train_batch_size"]), "--gradient_accumulation_steps",
-            str(step2["gradient_accumulation_steps"]), "--learning_rate", str(args.rm_learning_rate),
-            "--num_train_epochs", str(args.rm_epochs), "--group_by_length", "--seed", str(step2["seed"]),
-            "--disable_progress_bar", *(["--likelihood_term"] if step2.get("likelihood_term") else [])),
-            out / "rm.log")
+    rm = out / "reward_model"
     models = {"synthetic pairs (step 2)": run_dir / "step2", "+ policy pairs": rm}
 
     # 4. accuracy on held-out pairs of the policy's own answers
@@ -122,8 +83,8 @@ def main(argv=None) -> int:
     for i, (name, path) in enumerate(models.items()):
         scores = out / f"scores_{i}.jsonl"
         if not scores.exists():
-            run(marlhf("rw-eval", "--model_name_or_path", str(path), "--input", str(out / "pairs" / "test.jsonl"),
-                       "--output", str(scores)), out / f"rw_eval_{i}.log")
+            run_logged(marlhf_cmd("rw-eval", "--model_name_or_path", str(path), "--input",
+                                  str(out / "pairs" / "test.jsonl"), "--output", str(scores)), out / f"rw_eval_{i}.log")
         accuracy[name] = pair_accuracy(out / "pairs" / "test.jsonl", scores)
 
     # 5. step 3 against each reward model, the quick start's settings, several seeds
@@ -136,7 +97,7 @@ def main(argv=None) -> int:
         for i, (name, path) in enumerate(models.items()):
             dest = out / f"ppo_{i}_seed{seed}"
             if not (dest / "summary.json").exists():
-                seconds[f"ppo {i} seed {seed}"] = run(marlhf(
+                seconds[f"ppo {i} seed {seed}"] = run_logged(marlhf_cmd(
                     "ppo", "--config", str(out / "step3_config.json"), "--critic_model_name_or_path", str(path),
                     "--output_dir", str(dest), "--data_output_path", str(out / "data3"), "--seed", str(seed),
                     "--data_seed", str(step3["seed"]), "--max_eval_samples", str(args.eval_prompts),
@@ -170,7 +131,7 @@ def write_markdown(report: dict, path: Path) -> None:
     lines = ["# A reward model trained on the policy's own answers (issue 28, lever 1)", "",
              "Generated by `scripts/onpolicy_reward.py` from a quick-start run "
              f"({report['pairs']['pairs']} labelled pairs of SFT answers to step 2's prompts, annotator: the "
-             f"gold scorer with τ = {report['settings']['tau']}; "
+             f"gold scorer with τ = {ONPOLICY_TAU}; "
              f"{report['pairs']['annotator_ties']} ties labelled by a coin), on {report['machine']}.", "",
              "## Accuracy on held-out pairs of the SFT policy's answers", "",
              "| reward model | " + " | ".join(buckets) + " |", "|---" * (len(buckets) + 1) + "|"]

@@ -17,11 +17,11 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     env = {**os.environ, "DATA_OUTPUT_PATH": str(tmp_path / "data"), "MASTER_PORT": "29651"}
     proc = subprocess.run([sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(tmp_path / "run"),
                            "--extra_args=--max_steps=3", "--extra_args=--max_eval_samples=8",
-                           "--extra_args=--disable_progress_bar"],
+                           "--extra_args=--disable_progress_bar", "--onpolicy_max_prompts", "24"],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run/summary.json").read_text())
-    assert set(summary["seconds"]) == {"step1", "step2", "step3"}
+    assert set(summary["seconds"]) == {"step1", "step2", "step2_onpolicy", "step3"}
     assert summary["step1_final_perplexity"] < 2000  # below the untrained model's ~vocabulary size
     assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
     assert summary["steps"] == 3
@@ -30,10 +30,22 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
         # the gold score's components are reported next to the total (issue 10)
         assert {f"gold_{k}" for k in GOLD_COMPONENTS} <= summary[policy].keys()
         assert 0.0 < summary[policy]["gold_score_se"] < 1.0  # 8 answers: the score's standard error
-    # step 3 started from step 1's model and step 2's reward model
+    # between steps 2 and 3: 2 answers to each of 24 step-2 prompts from the SFT model, paired, labelled by the
+    # gold scorer, and step 2's reward model trained on (3 steps here) before step 3 starts from it
+    onpolicy = tmp_path / "run/step2_onpolicy"
+    answers = [json.loads(line) for line in (onpolicy / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 48 and {a["sample"] for a in answers} == {0, 1}
+    label = json.loads((onpolicy / "pairs/label.json").read_text())
+    assert label["settings"]["annotator"] == "gold" and 0 < label["counts"]["pairs"] <= 24
+    args_rm = json.loads((onpolicy / "reward_model/args.json").read_text())
+    assert args_rm["model_name_or_path"].endswith("run/step2") and args_rm["max_steps"] == 3
+    assert args_rm["data_path"] == [str(onpolicy / "pairs")] and args_rm["data_split"] == "0,1,0"
+    assert 0.0 <= summary["step2_onpolicy_accuracy"] <= 1.0
+    assert "pairs of the SFT policy's answers" in proc.stdout
+    # step 3 started from step 1's model and that reward model
     args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
     assert args3["actor_model_name_or_path"].endswith("run/step1")
-    assert args3["critic_model_name_or_path"].endswith("run/step2")
+    assert args3["critic_model_name_or_path"].endswith("run/step2_onpolicy/reward_model")
     assert (tmp_path / "run/step3/actor/model.safetensors").exists()
     assert "SFT policy" in proc.stdout and "final policy" in proc.stdout
     assert "gold_coverage" in proc.stdout and "gold_unfinished" in proc.stdout and "eos_rate" in proc.stdout

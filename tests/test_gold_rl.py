@@ -21,7 +21,7 @@ RL_STEPS = 16
 def _e2e(out, *args, port):
     env = {**os.environ, "DATA_OUTPUT_PATH": str(out / "data"), "MASTER_PORT": str(port)}
     proc = subprocess.run([sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(out), *args,
-                           "--extra_args=--disable_progress_bar"],
+                           "--extra_args=--disable_progress_bar", "--extra_args=--max_eval_samples=64"],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -7,19 +7,28 @@ feeding the next.  The default runs the embedded tiny model on the synthetic tas
     marlhf quickstart
     marlhf quickstart --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
 
+On the embedded task, between steps 2 and 3, the reward model is trained further on preference pairs of
+the SFT policy's own answers (``--onpolicy_samples`` answers to each of step 2's prompts, labelled by the
+task's gold scorer as a simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the
+distribution step 3 explores; trained on its synthetic pairs alone, the reward model does not hold there
+(docs/results/onpolicy_reward.md).
+
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
-the gold score where the task has one), plus the step-1 perplexity and step-2 accuracy.
+the gold score where the task has one), plus the step-1 perplexity and the step-2 accuracies.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from marlhf.config import RLHFArgs
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: marlhf/cli/quickstart.py
 STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning", 3: "step3_rlhf_finetuning"}
@@ -46,6 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--zero_stage", default=None, help="ZeRO stage passed to every step's script.")
     p.add_argument("--termination_condition", default=None, help="Step-3 macro-action rule (default: script's).")
     p.add_argument("--ngram", default=None, help="Step-3 n of the fixed rule (1 = vanilla PPO).")
+    p.add_argument("--onpolicy_samples", type=int, default=2,
+                   help="Embedded task: SFT answers per step-2 prompt whose gold-labelled pairs train the reward "
+                        "model further before step 3 (0: off; ignored for --task).")
+    p.add_argument("--onpolicy_max_prompts", type=int, default=0,
+                   help="Of step 2's prompts, the first N answered for those pairs (0: all).")
     p.add_argument("--extra_args", action="append", default=[],
                    help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms).")
     return p.parse_args(argv)
@@ -63,6 +77,13 @@ def script_for(step: int, size: str) -> Path:
     return path
 
 
+def uses_onpolicy(args) -> bool:
+    """The on-policy stage runs on the embedded task only (its gold scorer is the annotator), between steps 2
+    and 3, unless turned off or an explicit reward model replaces step 2's."""
+    return (args.onpolicy_samples > 0 and args.task is None and args.size.startswith("tiny")
+            and {2, 3} <= set(args.step) and args.reward_model is None)
+
+
 def run_step(step: int, args, root: Path) -> float:
     out = root / f"step{step}"
     env = dict(os.environ)
@@ -70,7 +91,8 @@ def run_step(step: int, args, root: Path) -> float:
         env["TASK"] = args.task
     if step == 3:
         env["ACTOR_MODEL_PATH"] = args.actor_model or str(root / "step1")
-        env["CRITIC_MODEL_PATH"] = args.reward_model or str(root / "step2")
+        onpolicy = root / "step2_onpolicy" / "reward_model"
+        env["CRITIC_MODEL_PATH"] = args.reward_model or str(onpolicy if uses_onpolicy(args) else root / "step2")
         if args.termination_condition:
             env["TERMINATION"] = args.termination_condition
         if args.ngram:
@@ -88,19 +110,96 @@ def run_step(step: int, args, root: Path) -> float:
     return time.time() - t0
 
 
-def last_metric(folder: Path, key: str):
+# the simulated annotator and the reward model's further training (docs/results/onpolicy_reward.md)
+ONPOLICY_TAU = 0.05  # Bradley-Terry temperature of the gold annotator's labels
+ONPOLICY_RM_EPOCHS = 3
+ONPOLICY_RM_LEARNING_RATE = 1e-4
+ONPOLICY_HELD_OUT = 0.15  # share of the prompts whose pairs measure the reward model
+
+
+def marlhf_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "marlhf", *args]
+
+
+def run_logged(cmd: list[str], log: Path) -> float:
+    """Run a command with its output in ``log``; seconds taken.  Stops naming the log's tail on failure."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n--- {log} ---\n{log.read_text()[-3000:]}")
+    return time.time() - t0
+
+
+def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generation: dict | None = None,
+                          max_prompts: int = 0, rm_args: list[str] | tuple = ()) -> dict:
+    """Train the step-2 reward model ``rm`` further on gold-labelled pairs of the SFT policy ``sft``'s answers.
+
+    ``samples`` answers to each of step 2's prompts (the data settings are step 2's, from its args.json;
+    ``generation``: sampling flags of ``marlhf generate``, default step 3's defaults), paired and labelled by
+    the gold scorer (``out/pairs``: train.jsonl and the held-out test.jsonl); the reward model continues on the
+    train pairs with step 2's settings (``out/reward_model``), ``rm_args`` last.  ``max_prompts``: the first
+    that many of step 2's prompts (0: all).  Each stage is skipped when its output exists.  Returns the seconds
+    each stage took."""
+    step2 = json.loads((rm / "args.json").read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
+    gen = {"max_new_tokens": 64, "max_prompt_len": defaults["max_prompt_seq_len"],
+           "temperature": defaults["temperature"], "top_k": defaults["top_k"], **(generation or {})}
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = {}
+    if not (out / "pairs" / "label.json").exists():
+        seconds["generate"] = run_logged(marlhf_cmd(
+            "generate", "--model", str(sft), "--data_path", *step2["data_path"], "--split", "train", "--phase", "2",
+            "--data_split", step2["data_split"], "--data_seed", str(step2["seed"] if step2["data_seed"] < 0
+                                                                   else step2["data_seed"]),
+            "--eval_fraction", str(step2["eval_fraction"]), "--num_samples", str(samples), "--seed", "8",
+            "--batch_size", "32", *[x for k, v in gen.items() for x in (f"--{k}", str(v))],
+            *(["--max_prompts", str(max_prompts)] if max_prompts else []),
+            "--output", str(out / "answers.jsonl"), "--overwrite", "--no_progress"), out / "generate.log")
+        seconds["label"] = run_logged(marlhf_cmd(
+            "label", "--generations", str(out / "answers.jsonl"), "--annotator", "gold", "--tau", str(ONPOLICY_TAU),
+            "--seed", "1", "--eval_fraction", str(ONPOLICY_HELD_OUT), "--output", str(out / "pairs")),
+            out / "label.log")
+    if not (out / "reward_model" / "model.safetensors").exists():
+        config = {k: v for k, v in step2.items() if k not in ("output_dir", "tensorboard_path", "local_rank",
+                                                                "model_name_or_path", "data_path", "data_split",
+                                                                "data_output_path", "eval_fraction")}
+        (out / "rm_config.json").write_text(json.dumps(config, indent=1))
+        seconds["reward_model"] = run_logged(marlhf_cmd(
+            "rm", "--config", str(out / "rm_config.json"), "--model_name_or_path", str(rm),
+            "--data_path", str(out / "pairs"), "--data_split", "0,1,0", "--data_output_path", str(out / "data"),
+            "--output_dir", str(out / "reward_model"), "--num_train_epochs", str(ONPOLICY_RM_EPOCHS),
+            "--learning_rate", str(ONPOLICY_RM_LEARNING_RATE), "--disable_progress_bar", *rm_args),
+            out / "reward_model.log")
+    return seconds
+
+
+def metric_values(folder: Path, key: str) -> list:
     path = folder / "metrics.jsonl"
     if not path.exists():
-        return None
+        return []
     values = [json.loads(line).get(key) for line in path.read_text().splitlines() if line.strip()]
-    values = [v for v in values if v is not None]
+    return [v for v in values if v is not None]
+
+
+def last_metric(folder: Path, key: str):
+    values = metric_values(folder, key)
     return values[-1] if values else None
 
 
-def summarize(root: Path, seconds: dict[int, float]) -> dict:
-    summary = {"seconds": {f"step{k}": round(v, 1) for k, v in seconds.items()},
+def first_metric(folder: Path, key: str):
+    values = metric_values(folder, key)
+    return values[0] if values else None
+
+
+def summarize(root: Path, seconds: dict) -> dict:
+    summary = {"seconds": {(f"step{k}" if isinstance(k, int) else k): round(v, 1) for k, v in seconds.items()},
                "step1_final_perplexity": last_metric(root / "step1", "eval/perplexity"),
                "step2_final_accuracy": last_metric(root / "step2", "eval/accuracy")}
+    onpolicy = root / "step2_onpolicy" / "reward_model"
+    if onpolicy.exists():  # its held-out pairs are of the policy's own answers, labelled by the annotator
+        summary["step2_onpolicy_accuracy_before"] = first_metric(onpolicy, "eval/accuracy")
+        summary["step2_onpolicy_accuracy"] = last_metric(onpolicy, "eval/accuracy")
     s3 = root / "step3" / "summary.json"
     if s3.exists():
         summary.update(json.loads(s3.read_text()))
@@ -115,6 +214,9 @@ def print_summary(summary: dict) -> None:
         print(f"step 1 held-out perplexity: {summary['step1_final_perplexity']:.2f}")
     if summary.get("step2_final_accuracy") is not None:
         print(f"step 2 held-out pair accuracy: {summary['step2_final_accuracy']:.3f}")
+    if summary.get("step2_onpolicy_accuracy") is not None:
+        print(f"step 2 accuracy on held-out pairs of the SFT policy's answers: "
+              f"{summary['step2_onpolicy_accuracy_before']:.3f} -> {summary['step2_onpolicy_accuracy']:.3f}")
     before, after = summary.get("initial_policy"), summary.get("final_policy")
     if before and after:
         print(f"{'held-out prompts':<22}{'SFT policy':>12}{'final policy':>14}")
@@ -133,11 +235,21 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     seconds = {}
     for step in sorted(args.step):
+        if step == 3 and uses_onpolicy(args):
+            print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by the "
+                  f"gold scorer, the reward model trained further ({root / 'step2_onpolicy'})", flush=True)
+            t0 = time.time()
+            onpolicy_reward_model(root / "step1", root / "step2", root / "step2_onpolicy", args.onpolicy_samples,
+                                  max_prompts=args.onpolicy_max_prompts,
+                                  rm_args=[a for arg in args.extra_args for a in arg.split("=", 1)])
+            seconds["step2_onpolicy"] = time.time() - t0
         seconds[step] = run_step(step, args, root)
     summary = summarize(root, seconds)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
-    models = [root / f"step{k}" for k in (1, 2) if k in seconds] + ([root / "step3/actor"] if 3 in seconds else [])
+    models = [root / f"step{k}" for k in (1, 2) if k in seconds] + (
+        [root / "step2_onpolicy/reward_model"] if "step2_onpolicy" in seconds else []) + (
+        [root / "step3/actor"] if 3 in seconds else [])
     print(f"\nwritten: {root / 'summary.json'}; models: {', '.join(map(str, models))}")
     return 0
 
