@@ -215,7 +215,7 @@ def print_summary(summary: dict) -> None:
     if summary.get("step2_final_accuracy") is not None:
         print(f"step 2 held-out pair accuracy: {summary['step2_final_accuracy']:.3f}")
     if summary.get("step2_onpolicy_accuracy") is not None:
-        print(f"step 2 accuracy on held-out pairs of the SFT policy's answers: "
+        print(f"step 2 accuracy on held-out pairs of the SFT policy's answers (the annotator's labels): "
               f"{summary['step2_onpolicy_accuracy_before']:.3f} -> {summary['step2_onpolicy_accuracy']:.3f}")
     before, after = summary.get("initial_policy"), summary.get("final_policy")
     if before and after:
