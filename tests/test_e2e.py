@@ -53,3 +53,40 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     # a one-rank launch script starts main.py itself, without the deepspeed runner (LAUNCHER=auto)
     log = (tmp_path / "run/step1/training.log").read_text()
     assert log.startswith("launch: python -u ") and "runner.py" not in log
+
+
+def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path, monkeypatch):
+    """When the main job trains the reward model on the policy's answers: between steps 2 and 3 of one
+    invocation (a new step 2 discards the old stage), reused by ``--step 3`` alone, never with --onpolicy_samples
+    0, --task or an explicit --reward_model; step 3's critic is then that reward model."""
+    from marlhf.cli import quickstart
+
+    calls = []
+
+    def fake_stage(sft, rm, out, samples, **kw):
+        calls.append(("stage", samples))
+        (out / "reward_model").mkdir(parents=True)
+
+    def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic
+        step = int(cmd[1].split("/step")[1][0])
+        calls.append((step, env["CRITIC_MODEL_PATH"] if step == 3 else None))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(quickstart, "onpolicy_reward_model", fake_stage)
+    monkeypatch.setattr(quickstart.subprocess, "run", fake_launch)
+    root = tmp_path / "run"
+
+    def run(*argv):
+        calls.clear()
+        assert quickstart.main(["--output_dir", str(root), *argv]) == 0
+        return list(calls)
+
+    onpolicy_rm = str(root / "step2_onpolicy/reward_model")
+    assert run() == [(1, None), (2, None), ("stage", 2), (3, onpolicy_rm)]
+    (root / "step2_onpolicy/marker").write_text("from the old step 2")
+    assert run("--step", "3") == [(3, onpolicy_rm)]  # reused
+    assert (root / "step2_onpolicy/marker").exists()
+    assert run("--step", "2", "3", "--onpolicy_samples", "4") == [(2, None), ("stage", 4), (3, onpolicy_rm)]
+    assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
+    assert run("--onpolicy_samples", "0")[-1] == (3, str(root / "step2"))
+    assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm")]

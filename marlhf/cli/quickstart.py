@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,10 +79,11 @@ def script_for(step: int, size: str) -> Path:
 
 
 def uses_onpolicy(args) -> bool:
-    """The on-policy stage runs on the embedded task only (its gold scorer is the annotator), between steps 2
-    and 3, unless turned off or an explicit reward model replaces step 2's."""
+    """Whether step 3's reward model is the one trained on the policy's answers: on the embedded task only (its
+    gold scorer is the annotator), unless turned off or an explicit reward model replaces step 2's.  The stage
+    runs when steps 2 and 3 run together; ``--step 3`` alone reuses its output."""
     return (args.onpolicy_samples > 0 and args.task is None and args.size.startswith("tiny")
-            and {2, 3} <= set(args.step) and args.reward_model is None)
+            and args.reward_model is None)
 
 
 def run_step(step: int, args, root: Path) -> float:
@@ -234,8 +236,11 @@ def main(argv=None) -> int:
     root = Path(args.output_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     seconds = {}
+    onpolicy = root / "step2_onpolicy"
     for step in sorted(args.step):
-        if step == 3 and uses_onpolicy(args):
+        if step == 2 and onpolicy.exists():  # its pairs and reward model came from the step 2 being replaced
+            shutil.rmtree(onpolicy)
+        if step == 3 and uses_onpolicy(args) and (2 in args.step or not onpolicy.exists()):
             print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by the "
                   f"gold scorer, the reward model trained further ({root / 'step2_onpolicy'})", flush=True)
             t0 = time.time()
