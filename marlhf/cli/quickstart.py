@@ -145,7 +145,7 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
     each stage took."""
     step2 = json.loads((rm / "args.json").read_text())
     defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
-    gen = {"max_new_tokens": 64, "max_prompt_len": defaults["max_prompt_seq_len"],
+    gen = {"max_prompt_len": defaults["max_prompt_seq_len"],
            "temperature": defaults["temperature"], "top_k": defaults["top_k"], **(generation or {})}
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
