@@ -19,15 +19,13 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
-import shutil
 import statistics
 import sys
-import uuid
 from pathlib import Path
 
 from marlhf.data import synthetic
 from marlhf.models.tiny import TINY_SIZES, create_tiny_model  # cheap: torch/transformers load lazily
+from marlhf.utils.cache import build_atomically, check_complete, default_home
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +45,6 @@ class EmbeddedPaths:
 
     def to_dict(self) -> dict[str, str]:
         return {k: str(v) for k, v in dataclasses.asdict(self).items()}
-
-
-def default_home() -> Path:
-    """``$MARLHF_HOME`` if set, else ``~/.cache/marlhf``."""
-    return Path(os.environ.get("MARLHF_HOME") or Path.home() / ".cache" / "marlhf")
 
 
 def task_key(seed: int, num_records: int, label_noise: float, vocab_size: int) -> str:
@@ -88,56 +81,21 @@ def prepare(
         model_dir=model_dir,
     )
     if force or not task_dir.is_dir():
-        _build_atomically(task_dir, lambda tmp: _build_task(tmp, cfg, vocab_size), replace=force)
+        build_atomically(task_dir, lambda tmp: _build_task(tmp, cfg, vocab_size), replace=force)
     else:
-        _check_complete(task_dir, [DATA_FILE, f"{TOKENIZER_DIR}/tokenizer.json", MANIFEST])
+        check_complete(task_dir, [DATA_FILE, f"{TOKENIZER_DIR}/tokenizer.json", MANIFEST])
         logger.info("embedded task found at %s", task_dir)
     if force or not model_dir.is_dir():
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
-        _build_atomically(
+        build_atomically(
             model_dir, lambda tmp: create_tiny_model(size, tokenizer, tmp, seed=seed), replace=force
         )
     else:
-        _check_complete(model_dir, ["config.json", "model.safetensors", "tokenizer.json"])
+        check_complete(model_dir, ["config.json", "model.safetensors", "tokenizer.json"])
         logger.info("embedded model %r found at %s", size, model_dir)
     return paths
-
-
-def _check_complete(folder: Path, names: list[str]) -> None:
-    """A folder only appears complete (atomic rename); a missing file means it was edited by hand."""
-    missing = [n for n in names if not (folder / n).exists()]
-    if missing:
-        raise FileNotFoundError(
-            f"{folder} lacks {', '.join(missing)}; rebuild it with --force (or delete it)"
-        )
-
-
-def _build_atomically(target: Path, build, replace: bool) -> None:
-    """Run ``build(tmp)`` in a fresh sibling folder, then rename it to ``target``.
-
-    If another process completed ``target`` meanwhile, its result is kept and ours discarded.  With
-    ``replace`` an existing ``target`` is swapped out (renamed away first, then deleted).
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    logger.info("building %s", target)
-    try:
-        build(tmp)
-        if replace and target.exists():
-            trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-            target.rename(trash)
-            shutil.rmtree(trash)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not target.is_dir():
-                raise
-            logger.info("%s was completed by another process; keeping that one", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def _build_task(out: Path, cfg: synthetic.SyntheticConfig, vocab_size: int) -> None:

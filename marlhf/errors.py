@@ -33,6 +33,11 @@ class RewardError(UserError, RuntimeError):
     numbers.  The message names the function or URL and what was wrong."""
 
 
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient (``marlhf.utils.optim_step``'s
+    guard); the run stops."""
+
+
 def _is_rank0() -> bool:
     # RANK is set by every launcher before the process group exists; errors can come before init
     return int(os.environ.get("RANK", "0")) == 0
@@ -41,8 +46,6 @@ def _is_rank0() -> bool:
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> int:
     """Run an entry point's ``main(argv)``; a :class:`UserError` (or a run stopped by the non-finite guard)
     becomes one line on stderr from rank 0 and exit status 1.  Returns main's int result (or 0)."""
-    from marlhf.utils.optim_step import NonFiniteError
-
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:

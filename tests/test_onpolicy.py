@@ -89,6 +89,31 @@ def test_k_answers_make_disjoint_pairs_and_identical_ones_are_dropped():
     assert (counts["pairs"], counts["identical_dropped"], counts["answers"]) == (1, 1, 5)
 
 
+def test_all_pairs_of_k_answers_and_dropped_ties():
+    """``pairing="all"``: the K(K−1)/2 pairs of a prompt, each once, against a brute-force enumeration;
+    ``ties="drop"``: the pairs the annotator scores equal leave, counted; the other labels are unchanged."""
+    texts = ["a", "b", "c", "c", "e"]
+    score = {"a": 1.0, "b": 2.0, "c": 2.0, "e": 0.5}
+    answers = [Answer("p", k, "P", t, True) for k, t in enumerate(texts)]
+    scorer = lambda p, r, e: [score[x] for x in r]  # noqa: E731
+    pairs, counts = label_pairs({"p": answers}, scorer, 0.0, seed=0, pairing="all")
+    expected = [(texts[i], texts[j]) for i in range(5) for j in range(i + 1, 5) if texts[i] != texts[j]]
+    assert len(pairs) == len(expected) == 9 and counts["identical_dropped"] == 1
+    assert sorted(tuple(sorted((p["chosen"], p["rejected"]))) for p in pairs) == sorted(
+        tuple(sorted(e)) for e in expected)
+    for p in pairs:  # tau 0: the higher score is chosen; b-c (2 vs 2) twice is a coin flip
+        if score[p["chosen"]] != score[p["rejected"]]:
+            assert score[p["chosen"]] > score[p["rejected"]]
+    assert counts["annotator_ties"] == 2 and counts["ties_dropped"] == 0
+    dropped, dcounts = label_pairs({"p": answers}, scorer, 0.0, seed=0, pairing="all", ties="drop")
+    assert dcounts["pairs"] == 7 and dcounts["ties_dropped"] == dcounts["annotator_ties"] == 2
+    assert dropped == [p for p in pairs if score[p["chosen"]] != score[p["rejected"]]]
+    with pytest.raises(ValueError, match="--pairing"):
+        label_pairs({"p": answers}, scorer, 0.0, seed=0, pairing="ring")
+    with pytest.raises(ValueError, match="--ties"):
+        label_pairs({"p": answers}, scorer, 0.0, seed=0, ties="coin")
+
+
 def test_annotator_errors_are_caught():
     groups, table = groups_of([0.1], 2)
     with pytest.raises(ValueError, match="non-finite"):
@@ -139,6 +164,10 @@ def test_command_labels_synthetic_answers_with_the_gold_scorer(tmp_path):
     assert label_main(["--generations", str(gen), "--annotator", "gold", "--tau", "5", "--eval_fraction", "0.25",
                        "--output", str(out)]) == 0
     assert json.loads((out / "label.json").read_text())["settings"]["tau"] == 5.0
+    for flag, value in (("--pairing", "all"), ("--ties", "drop")):  # each input that changes the pairs relabels
+        assert label_main(["--generations", str(gen), "--annotator", "gold", "--tau", "5", "--eval_fraction", "0.25",
+                           flag, value, "--output", str(out)]) == 0
+        assert json.loads((out / "label.json").read_text())["settings"][flag[2:]] == value
 
 
 def test_command_errors_name_the_problem(tmp_path):

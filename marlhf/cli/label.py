@@ -5,7 +5,8 @@
     marlhf rm --model_name_or_path out/sft --data_path out/pairs --data_split 0,1,0 --output_dir out/rm
 
 ``--annotator``: ``gold`` (the embedded task's gold scorer) or ``reward_model:PATH`` (a step-2 reward model
-folder, e.g. a larger one).  Each pair of a prompt's answers (0-1, 2-3, ...) is labelled a ≻ b with probability
+folder, e.g. a larger one).  Each pair of a prompt's answers (0-1, 2-3, ...; all of them with ``--pairing all``;
+those the annotator scores equal dropped with ``--ties drop``) is labelled a ≻ b with probability
 σ((g_a − g_b)/τ).  Writes ``train.jsonl`` and ``test.jsonl`` (``--eval_fraction`` of the prompts held out: the
 reward model's accuracy on the policy's own answers, ``marlhf rw-eval --input OUT/test.jsonl``) and
 ``label.json``.  Run again with the same inputs, it finds ``label.json`` and does nothing.
@@ -33,6 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--tau", type=float, default=0.0,
                    help="Bradley-Terry temperature of the annotator: P(a > b) = sigmoid((g_a - g_b) / tau); "
                         "0 = the higher score always wins")
+    p.add_argument("--pairing", default="disjoint", choices=("disjoint", "all"),
+                   help="Pairs of a prompt's K answers: disjoint (0-1, 2-3, ...) or all K(K-1)/2")
+    p.add_argument("--ties", default="keep", choices=("keep", "drop"),
+                   help="Pairs the annotator scores equal: keep (labelled by a coin) or drop")
     p.add_argument("--seed", type=int, default=0, help="Seed of the labels' draws and of the held-out prompts")
     p.add_argument("--eval_fraction", type=float, default=0.1, help="Share of prompts held out in test.jsonl")
     p.add_argument("--output", required=True, help="Folder for train.jsonl, test.jsonl and label.json")
@@ -73,7 +78,8 @@ def main(argv=None) -> int:
     out = Path(args.output)
     # everything that changes the pairs: the same inputs find the folder done
     settings = {"generations": str(source), "generations_sha256": file_digest(source), "annotator": args.annotator,
-                "tau": args.tau, "seed": args.seed, "eval_fraction": args.eval_fraction}
+                "tau": args.tau, "pairing": args.pairing, "ties": args.ties, "seed": args.seed,
+                "eval_fraction": args.eval_fraction}
     record = out / "label.json"
     if record.exists():
         before = json.loads(record.read_text())
@@ -84,7 +90,8 @@ def main(argv=None) -> int:
     groups = read_generations(source)
     if max(len(g) for g in groups.values()) < 2:
         raise ConfigError(f"{source}: one answer per prompt; sample two or more (marlhf generate --num_samples 2)")
-    pairs, counts = label_pairs(groups, annotator(args.annotator), args.tau, args.seed)
+    pairs, counts = label_pairs(groups, annotator(args.annotator), args.tau, args.seed, args.pairing,
+                                args.ties)
     train, test = split_by_prompt(pairs, args.eval_fraction, args.seed)
     counts.update(train_pairs=len(train), test_pairs=len(test))
     write_pairs(out, train, test, {"settings": settings, "counts": counts})

@@ -9,16 +9,19 @@ remote service):
     marlhf generate --model SFT --data_path D --split train --num_samples 2 --output answers.jsonl
     marlhf label --generations answers.jsonl --annotator gold --tau 0.1 --output pairs/
 
-The K answers of a prompt give K // 2 disjoint pairs (answers 0-1, 2-3, ...).  The annotator scores every
-answer once; a pair (a, b) is labelled a ≻ b with the Bradley–Terry probability
+The K answers of a prompt give K // 2 disjoint pairs (answers 0-1, 2-3, ...; ``pairing="disjoint"``) or all
+K(K−1)/2 of them (``pairing="all"``: InstructGPT's comparisons from a ranking of K answers — more pairs for
+the same generation cost, pairs of one prompt sharing answers).  The annotator scores every answer once; a
+pair (a, b) is labelled a ≻ b with the Bradley–Terry probability
 
     P(a ≻ b) = σ((g_a − g_b) / τ)                 (τ = 0: the higher score wins, a tie by a coin flip)
 
 drawn from a generator seeded by (seed, prompt id, pair index), so the labels are the same for a seed
 whatever order or batch size the rows are scored in.  Pairs of identical answers carry no preference and are
-dropped (counted).  The result is a folder of ``train.jsonl`` / ``test.jsonl`` (a seeded held-out share of the
-prompts) with ``prompt`` / ``chosen`` / ``rejected`` rows that ``--data_path`` reads as any local dataset, and
-``label.json`` with the settings and counts.
+dropped (counted); so are pairs the annotator scores equal with ``ties="drop"`` (an annotator's "about the
+same", which labelled by a coin teaches the reward model noise).  The result is a folder of ``train.jsonl`` /
+``test.jsonl`` (a seeded held-out share of the prompts) with ``prompt`` / ``chosen`` / ``rejected`` rows that
+``--data_path`` reads as any local dataset, and ``label.json`` with the settings and counts.
 """
 
 from __future__ import annotations
@@ -93,10 +96,25 @@ def read_generations(path: str | Path) -> dict[str, list[Answer]]:
 Scorer = Callable[[Sequence[str], Sequence[str], Sequence[bool]], Sequence[float]]
 
 
-def label_pairs(groups: dict[str, list[Answer]], scorer: Scorer, tau: float, seed: int) -> tuple[list[dict], dict]:
+def answer_pairs(k: int, pairing: str) -> list[tuple[int, int]]:
+    """Index pairs of a prompt's ``k`` answers: ``disjoint`` (0-1, 2-3, ...) or ``all`` (i < j), in a fixed order
+    (a pair's position in it seeds its label)."""
+    if pairing == "disjoint":
+        return [(2 * i, 2 * i + 1) for i in range(k // 2)]
+    if pairing == "all":
+        return [(i, j) for i in range(k) for j in range(i + 1, k)]
+    raise ConfigError(f"--pairing must be disjoint or all, got {pairing!r}")
+
+
+def label_pairs(groups: dict[str, list[Answer]], scorer: Scorer, tau: float, seed: int, pairing: str = "disjoint",
+                ties: str = "keep") -> tuple[list[dict], dict]:
     """Pairs ``{prompt, chosen, rejected, meta}`` labelled by ``scorer`` (prompts, responses, ended -> scores)
-    with noise ``tau``, and counts: pairs, identical answers dropped, labels against the annotator's order."""
+    with noise ``tau``, and counts: pairs, identical answers dropped, annotator ties (kept or dropped), labels
+    against the annotator's order."""
     preference_probability(0.0, 0.0, tau)  # validates tau before any scoring
+    answer_pairs(2, pairing)
+    if ties not in ("keep", "drop"):
+        raise ConfigError(f"--ties must be keep or drop, got {ties!r}")
     answers = [a for group in groups.values() for a in group]
     scores = [float(s) for s in scorer([a.prompt for a in answers], [a.response for a in answers],
                                        [a.ended for a in answers])]
@@ -104,25 +122,28 @@ def label_pairs(groups: dict[str, list[Answer]], scorer: Scorer, tau: float, see
         raise ConfigError(f"the annotator returned {len(scores)} scores for {len(answers)} answers, or a "
                           f"non-finite one")
     score_of = {(a.prompt_id, a.sample): s for a, s in zip(answers, scores)}
-    pairs, identical, flipped, ties = [], 0, 0, 0
+    pairs, identical, flipped, ties_seen = [], 0, 0, 0
     for pid, group in groups.items():
-        for k in range(len(group) // 2):
-            a, b = group[2 * k], group[2 * k + 1]
+        for k, (i, j) in enumerate(answer_pairs(len(group), pairing)):
+            a, b = group[i], group[j]
             if a.response == b.response:
                 identical += 1
                 continue
             ga, gb = score_of[(pid, a.sample)], score_of[(pid, b.sample)]
+            ties_seen += ga == gb
+            if ga == gb and ties == "drop":
+                continue
             p = preference_probability(ga, gb, tau)
             a_wins = pair_rng(seed, pid, k).random() < p
             chosen, rejected = (a, b) if a_wins else (b, a)
             g_chosen, g_rejected = (ga, gb) if a_wins else (gb, ga)
-            ties += g_chosen == g_rejected
             flipped += g_chosen < g_rejected
             pairs.append({"prompt": a.prompt, "chosen": chosen.response, "rejected": rejected.response,
                           "meta": {"prompt_id": pid, "pair": k, "annotator_scores": [g_chosen, g_rejected],
                                    "p_chosen": p if a_wins else 1 - p}})
     counts = {"answers": len(answers), "pairs": len(pairs), "identical_dropped": identical,
-              "against_annotator_order": flipped, "annotator_ties": ties}
+              "against_annotator_order": flipped, "annotator_ties": ties_seen,
+              "ties_dropped": ties_seen if ties == "drop" else 0}
     return pairs, counts
 
 

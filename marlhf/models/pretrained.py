@@ -72,12 +72,12 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 def prepare_smollm2(home: Path | None = None, force: bool = False) -> Path:
     """The SmolLM2-135M-Instruct Hugging Face folder, converted on first use (atomically) and cached."""
-    from marlhf import embedded
+    from marlhf.utils.cache import build_atomically, default_home
 
-    target = (Path(home) if home else embedded.default_home()) / SMOLLM2_DIR
+    target = (Path(home) if home else default_home()) / SMOLLM2_DIR
     if target.is_dir() and not force:
         return target
     gguf = smollm2_gguf()
     log.info("converting %s to a Hugging Face folder at %s", gguf, target)
-    embedded._build_atomically(target, lambda tmp: convert_gguf(gguf, tmp), replace=force)
+    build_atomically(target, lambda tmp: convert_gguf(gguf, tmp), replace=force)
     return target

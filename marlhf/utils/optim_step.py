@@ -30,16 +30,13 @@ import logging
 
 import torch
 
+from marlhf.errors import NonFiniteError
 from marlhf.utils import dist
 
 log = logging.getLogger("marlhf")
 
 LOSS_AGGREGATIONS = ("token_mean", "microbatch_mean")
 QUANTITIES = ("loss", "actor loss", "critic loss", "ptx loss")  # what StepGuard.backward may be told
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive optimizer steps had a non-finite loss or gradient; the run stops."""
 
 
 def loss_multipliers(counts: list[int], windows: list[int], grad_accum: int, mode: str) -> list[float]:

