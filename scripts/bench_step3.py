@@ -2,7 +2,7 @@
 
 The paper (§3.2, §4) claims macro actions add no measurable cost to a PPO step: the segmentation is a few
 scatter/gathers over (B, T) tensors and the forwards/backwards are the same whatever the segmentation.  This
-times a whole step of each variant of the reproduction sweep (``marlhf/eval/sweep.py`` VARIANTS, their own
+times a whole step of each variant of the reproduction sweep (``scripts/lab/sweep.py`` VARIANTS, their own
 flags parsed into ``RLHFArgs``) on the embedded model (actor = reference = critic init = reward model
 architecture; fp32; ZeRO 0; the tiny launch script's sampling and micro-batch), split into phases:
 
@@ -31,7 +31,7 @@ process's peak resident memory during the step above what it held before (``marl
     python scripts/bench_step3.py [--quick] [--size tiny] [--batch 16] [--answer_len 64] [--repeats 3] \\
         [--threads 2] [--variants all|ppo n5 grpo ...] [--max_seconds 0] [--out docs/results/cost_per_step.json]
 
-Writes the JSON to --out and the markdown (``marlhf.eval.cost_report.render_cost_section``) next to it (.md).
+Writes the JSON to --out and the markdown (``lab.cost_report.render_cost_section``) next to it (.md).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
-from marlhf.eval.cost_report import PHASES, render_cost_section  # noqa: E402
-from marlhf.eval.sweep import BASELINE, VARIANTS  # noqa: E402
+from lab.cost_report import PHASES, render_cost_section  # noqa: E402
+from lab.sweep import BASELINE, VARIANTS  # noqa: E402
 from marlhf.models.loading import run_tokenizer  # noqa: E402
 from marlhf.rlhf.estimators import needs_critic  # noqa: E402
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402

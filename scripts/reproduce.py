@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from marlhf.config import RLHFArgs  # noqa: E402
-from marlhf.eval import records as sweep_records  # noqa: E402
-from marlhf.eval import sweep  # noqa: E402
-from marlhf.eval.results_report import write_report  # noqa: E402
+from lab import records as sweep_records  # noqa: E402
+from lab import sweep  # noqa: E402
+from lab.results_report import write_report  # noqa: E402
 
 FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3], steps=40, eval_interval=5,
             eval_samples=64, dpo_steps=100)
@@ -197,7 +197,7 @@ def real_track(args, root: Path) -> dict:
             done.touch()
     if args.dry_run or not all((out / n / ".done").exists() for n in stages):
         return {"skipped": "not finished (rerun to continue)"}
-    from marlhf.eval.results_report import machine
+    from lab.results_report import machine
 
     m = machine()
     result = {"model": model, "data": args.real_data, "steps": {"sft": s1, "rm": s2, "ppo": s3},

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # the benchmark scripts' lab equipment (scripts/lab), imported as `lab`
 STEP1 = REPO / "training/step1_supervised_finetuning/main.py"
 STEP2 = REPO / "training/step2_reward_model_finetuning/main.py"
 STEP3 = REPO / "training/step3_rlhf_finetuning/main.py"

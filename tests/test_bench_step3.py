@@ -17,7 +17,7 @@ import pytest
 import torch
 from ppo_harness import make_trainer, prompts, rlhf_args
 
-from marlhf.eval.cost_report import PHASES, render_cost_section
+from lab.cost_report import PHASES, render_cost_section
 from marlhf.utils.timing import NO_TIMER, PhaseTimer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def test_rendered_table_shows_the_json_numbers(quick):
 def test_reading_names_a_variant_whose_macro_phase_costs_more_than_the_threshold(quick, tmp_path):
     """The reading's verdict comes from the numbers: give n5 a macro phase 5% of a PPO step longer than PPO's
     and it is named as an additional cost; as measured (--quick) the verdict is read off the same rule."""
-    from marlhf.eval.cost_report import MACRO_COST_THRESHOLD
+    from lab.cost_report import MACRO_COST_THRESHOLD
 
     report, _ = quick
     V = report["variants"]

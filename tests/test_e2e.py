@@ -30,13 +30,19 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
         # the gold score's components are reported next to the total (issue 10)
         assert {f"gold_{k}" for k in GOLD_COMPONENTS} <= summary[policy].keys()
         assert 0.0 < summary[policy]["gold_score_se"] < 1.0  # 8 answers: the score's standard error
-    # between steps 2 and 3: 2 answers to each of 24 step-2 prompts from the SFT model, paired, labelled by the
-    # gold scorer, and step 2's reward model trained on (3 steps here) before step 3 starts from it
+    # between steps 2 and 3: 4 answers to each of 24 step-2 prompts from the SFT model, all 6 pairs of each
+    # prompt's answers labelled by the gold scorer (equal scores dropped), and step 2's reward model trained on
+    # (3 steps here) before step 3 starts from it
     onpolicy = tmp_path / "run/step2_onpolicy"
     answers = [json.loads(line) for line in (onpolicy / "answers.jsonl").read_text().splitlines()]
-    assert len(answers) == 48 and {a["sample"] for a in answers} == {0, 1}
+    assert len(answers) == 96 and {a["sample"] for a in answers} == {0, 1, 2, 3}
     label = json.loads((onpolicy / "pairs/label.json").read_text())
-    assert label["settings"]["annotator"] == "gold" and 0 < label["counts"]["pairs"] <= 24
+    assert label["settings"]["annotator"] == "gold" and label["settings"]["pairing"] == "all"
+    counts = label["counts"]
+    assert counts["pairs"] + counts["identical_dropped"] + counts["ties_dropped"] == 24 * 6 and counts["pairs"] > 24
+    pairs = [json.loads(line) for name in ("train.jsonl", "test.jsonl")
+             for line in (onpolicy / "pairs" / name).read_text().splitlines()]
+    assert all(p["meta"]["annotator_scores"][0] != p["meta"]["annotator_scores"][1] for p in pairs)
     args_rm = json.loads((onpolicy / "reward_model/args.json").read_text())
     assert args_rm["model_name_or_path"].endswith("run/step2") and args_rm["max_steps"] == 3
     assert args_rm["data_path"] == [str(onpolicy / "pairs")] and args_rm["data_split"] == "0,1,0"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from marlhf.eval import sweep
-from marlhf.eval.results_report import summary_table, write_report
+from lab import sweep
+from lab.results_report import summary_table, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student-t 97.5% quantile, 2 degrees of freedom (tables)
@@ -126,7 +126,7 @@ def test_records_keep_finished_runs_only_and_refuse_other_starting_weights(runs,
     """--records: archive copies the report's files of finished runs (not an unfinished one, not checkpoints);
     restore puts them back in a fresh --out where they count as done and read back equal; base.json refuses
     to continue from other SFT/RM weights, naming them."""
-    from marlhf.eval import records
+    from lab import records
 
     root, _, _ = runs
     specs = sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3, 4])  # seed 4: never started

@@ -56,9 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--zero_stage", default=None, help="ZeRO stage passed to every step's script.")
     p.add_argument("--termination_condition", default=None, help="Step-3 macro-action rule (default: script's).")
     p.add_argument("--ngram", default=None, help="Step-3 n of the fixed rule (1 = vanilla PPO).")
-    p.add_argument("--onpolicy_samples", type=int, default=2,
-                   help="Embedded task: SFT answers per step-2 prompt whose gold-labelled pairs train the reward "
-                        "model further before step 3 (0: off; ignored for --task).")
+    p.add_argument("--onpolicy_samples", type=int, default=4,
+                   help="Embedded task: SFT answers per step-2 prompt whose gold-labelled pairs (all K(K-1)/2 of "
+                        "them, ties dropped) train the reward model further before step 3 (0: off; ignored for "
+                        "--task).")
     p.add_argument("--onpolicy_max_prompts", type=int, default=0,
                    help="Of step 2's prompts, the first N answered for those pairs (0: all).")
     p.add_argument("--extra_args", action="append", default=[],
@@ -114,7 +115,9 @@ def run_step(step: int, args, root: Path) -> float:
 
 # the simulated annotator and the reward model's further training (docs/results/onpolicy_reward.md)
 ONPOLICY_TAU = 0.05  # Bradley-Terry temperature of the gold annotator's labels
-ONPOLICY_RM_EPOCHS = 3
+ONPOLICY_PAIRING = "all"  # K answers give K(K-1)/2 pairs: more pairs per generated answer
+ONPOLICY_TIES = "drop"  # equal gold scores: an annotator's "about the same", no label
+ONPOLICY_RM_EPOCHS = 1  # more epochs over the same pairs did not help (docs/results/onpolicy_reward.md)
 ONPOLICY_RM_LEARNING_RATE = 1e-4
 ONPOLICY_HELD_OUT = 0.15  # share of the prompts whose pairs measure the reward model
 
@@ -160,6 +163,7 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
             "--output", str(out / "answers.jsonl"), "--overwrite", "--no_progress"), out / "generate.log")
         seconds["label"] = run_logged(marlhf_cmd(
             "label", "--generations", str(out / "answers.jsonl"), "--annotator", "gold", "--tau", str(ONPOLICY_TAU),
+            "--pairing", ONPOLICY_PAIRING, "--ties", ONPOLICY_TIES,
             "--seed", "1", "--eval_fraction", str(ONPOLICY_HELD_OUT), "--output", str(out / "pairs")),
             out / "label.log")
     if not (out / "reward_model" / "model.safetensors").exists():

@@ -1,7 +1,7 @@
 """``docs/results.md`` from the sweep's recorded runs: tables, curves, the commands, versions, machine, seeds,
 and a plain statement of which of the paper's claims held at this scale.
 
-Every number in the report comes from :mod:`marlhf.eval.sweep` reading the runs' own files, and the same
+Every number in the report comes from :mod:`lab.sweep` reading the runs' own files, and the same
 numbers are written next to it as ``results.json`` (the test compares both with the run logs)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import platform
 from pathlib import Path
 
-from marlhf.eval.cost_report import render_cost_section
-from marlhf.eval.sweep import BASELINE, REWARDS, VARIANTS, VariantResult, improved, steps_to_parity, t_interval
+from lab.cost_report import render_cost_section
+from lab.sweep import BASELINE, REWARDS, VARIANTS, VariantResult, improved, steps_to_parity, t_interval
 
 TABLE_KEYS = ("gold_score", "rm_score", "kl", "train_kl", "response_len", "eos_rate")
 PLOT_KEYS = (("gold_score", "held-out gold score"), ("rm_score", "held-out RM score"),

@@ -10,7 +10,7 @@ run is *done* when ``summary.json`` exists, and an unfinished one resumes from i
 This module only reads those files and computes: curves with their seed spread, final scores with 95%
 confidence intervals over seeds, and steps-to-parity (the first evaluated step at which a variant's
 seed-mean reaches vanilla PPO's final seed-mean, as a fraction of PPO's steps — the paper's "1.7–2×
-faster", §4.2).  ``scripts/reproduce.py`` runs the sweep; ``marlhf/eval/results_report.py`` writes the report.
+faster", §4.2).  ``scripts/reproduce.py`` runs the sweep; ``scripts/lab/results_report.py`` writes the report.
 """
 
 from __future__ import annotations
