@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from marlhf.data.pipeline import SFTCollator
-from marlhf.models.loading import labelled_logits
+from marlhf.models.forward import labelled_logits
 from marlhf.models.logprobs import token_logprobs
 from marlhf.rlhf.macro import check_choice
 from marlhf.supervised import Objective, pair_count, pair_length

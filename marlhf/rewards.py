@@ -60,7 +60,7 @@ class RewardModelSource:
     @torch.no_grad()
     def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
         """(B,) scores of already-tokenized sequences: left-padded prompts ``prompt_width`` wide, then answers."""
-        from marlhf.models.loading import sequence_scores
+        from marlhf.models.forward import sequence_scores
 
         return sequence_scores(self.model, seq, attention_mask, prompt_width)
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.models.loading import labelled_logits, last_token_index, sequence_scores, token_values
+from marlhf.models.forward import labelled_logits, last_token_index, sequence_scores, token_values
 from marlhf.models.logprobs import token_logprobs
-from marlhf.utils import checkpoint, dist
+from marlhf.utils import checkpoint, dist, events
 from marlhf.utils.ds_engine import engine_from_args
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
 from marlhf.utils.tracking import Tracker
@@ -45,7 +45,7 @@ class Objective:
 def answer_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token NLL of the labelled (response) tokens, and their count (a device tensor: nothing is
     read on the host); only the columns that predict one go through the vocabulary projection
-    (:func:`~marlhf.models.loading.labelled_logits`)."""
+    (:func:`~marlhf.models.forward.labelled_logits`)."""
     logits, targets = labelled_logits(model, batch)
     # chunked float32 log-probs (marlhf.models.logprobs): cross_entropy on a float32 copy of the logits would
     # keep that (B, K, V) copy for backward
@@ -242,7 +242,7 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
             if args.save_steps and step % args.save_steps == 0:
                 checkpoint.save_checkpoint(ckpt_root, {objective.name: engine}, step,
                                            {"epoch": epoch, "batches_done": done_in_epoch}, args.keep_checkpoints)
-            checkpoint.pause_point("step", step)  # (tests) a kill between two checkpoints
+            events.reached("step", step)  # between two checkpoints
         if done_in_epoch >= steps_per_epoch:  # epoch finished
             epoch, done_in_epoch = epoch + 1, 0
             if not (args.eval_interval and step % args.eval_interval == 0):

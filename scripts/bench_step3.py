@@ -54,11 +54,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from lab.cost_report import PHASES, render_cost_section  # noqa: E402
+from lab.sweep import BASELINE, VARIANTS  # noqa: E402
+
 from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
-from lab.cost_report import PHASES, render_cost_section  # noqa: E402
-from lab.sweep import BASELINE, VARIANTS  # noqa: E402
 from marlhf.models.loading import run_tokenizer  # noqa: E402
 from marlhf.rlhf.estimators import needs_critic  # noqa: E402
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402

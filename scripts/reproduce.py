@@ -35,10 +35,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from marlhf.config import RLHFArgs  # noqa: E402
 from lab import records as sweep_records  # noqa: E402
 from lab import sweep  # noqa: E402
 from lab.results_report import write_report  # noqa: E402
+
+from marlhf.config import RLHFArgs  # noqa: E402
 
 FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3], steps=40, eval_interval=5,
             eval_samples=64, dpo_steps=100)

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from marlhf.data.pipeline import SFTCollator
 from marlhf.dpo import labelled_logprobs
-from marlhf.models.loading import first_labelled_column, position_ids_from_mask
+from marlhf.models.forward import first_labelled_column, position_ids_from_mask
 from marlhf.rlhf.rollout import policy_logprobs
 from marlhf.supervised import answer_nll, sft_count, sft_loss
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab.cost_report import PHASES, render_cost_section
 from ppo_harness import make_trainer, prompts, rlhf_args
 
-from lab.cost_report import PHASES, render_cost_section
 from marlhf.utils.timing import NO_TIMER, PhaseTimer
 
 REPO = Path(__file__).resolve().parents[1]

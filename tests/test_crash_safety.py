@@ -2,7 +2,8 @@
 checkpoints, resumes with ``--resume`` from the last complete one and ends with the weights of an
 uninterrupted run; a checkpoint written with other topology flags is refused with a clear message.
 
-The kill lands at a known point through the test hook ``checkpoint.pause_point`` (MARLHF_TEST_PAUSE).
+The kill lands at a known point: ``tests/pause_harness.py`` runs the step with a listener on one of the points
+it announces (``marlhf.utils.events``) that stops it there.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def clean_env() -> dict:
 def kill_at(work, name: str, pause: str) -> None:
     """Start step 1 as its own process, wait until it sits at ``pause``, and SIGKILL it there."""
     marker = work / f"{name}.paused"
-    env = {**clean_env(), "PYTHONPATH": str(REPO), "MARLHF_TEST_PAUSE": pause, "MARLHF_TEST_PAUSE_MARKER": str(marker)}
+    env = {**clean_env(), "PYTHONPATH": str(REPO)}
     with open(work / f"{name}.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(STEP1), *argv(work / name, work / "data")], cwd=REPO, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/pause_harness.py"), pause, str(marker), str(STEP1),
+                                 *argv(work / name, work / "data")], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not marker.exists():
         assert proc.poll() is None, (work / f"{name}.log").read_text()[-3000:]

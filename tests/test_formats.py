@@ -21,7 +21,8 @@ from marlhf.data.formatting import (
 )
 from marlhf.data.pipeline import tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
-from marlhf.models.loading import load_tokenizer, load_tokenizer_and_format, load_value_model, sequence_scores
+from marlhf.models.forward import sequence_scores
+from marlhf.models.loading import load_tokenizer, load_tokenizer_and_format, load_value_model
 
 # A ChatML-style template whose assistant turn ends with the tokenizer's EOS (an "instruct" tokenizer).
 CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -138,7 +139,7 @@ def test_reward_model_with_pad_equal_to_eos_scores_the_same_in_plain_transformer
 def test_lora_log_counts_wrapped_modules(nano_dir, caplog):
     from transformers import AutoModelForCausalLM
 
-    from marlhf.models.loading import apply_lora
+    from marlhf.models.lora import apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(nano_dir)
     with caplog.at_level(logging.INFO, logger="marlhf"):

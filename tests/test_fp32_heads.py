@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from marlhf import embedded
-from marlhf.models.loading import Fp32Linear, load_reward_model, load_tokenizer, token_values
+from marlhf.models.forward import token_values
+from marlhf.models.heads import Fp32Linear
+from marlhf.models.loading import load_reward_model, load_tokenizer
 
 EOT = "<|endoftext|>"
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -53,9 +54,9 @@ def test_killed_run_resumes_to_identical_file(nano, prompts_file, tmp_path):
     assert run_cli(load_main(GENERATE), argv(nano, prompts_file, full)) == 0
     part = tmp_path / "part.jsonl"
     marker = tmp_path / "marker"
-    env = {**os.environ, "MARLHF_TEST_PAUSE": "generate:1", "MARLHF_TEST_PAUSE_MARKER": str(marker),
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([*cli_cmd(GENERATE), *argv(nano, prompts_file, part)], env=env,
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/pause_harness.py"), "generate:1", str(marker),
+                             *cli_cmd(GENERATE)[1:], *argv(nano, prompts_file, part)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120

@@ -7,7 +7,8 @@ import torch
 
 from marlhf import embedded
 from marlhf.data.pipeline import _pad
-from marlhf.models.loading import load_reward_model, load_tokenizer, load_value_model, sequence_scores, token_values
+from marlhf.models.forward import sequence_scores, token_values
+from marlhf.models.loading import load_reward_model, load_tokenizer, load_value_model
 
 EOT = "<|endoftext|>"
 TEXTS = [("TL;DR: My cat (3F) bites me.", " I (25M) have a cat that bites."),

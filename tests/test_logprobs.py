@@ -67,7 +67,7 @@ def test_rejects_misaligned_targets_and_a_non_positive_temperature():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_head_path_equals_projection_then_log_softmax(dtype):
-    from marlhf.models.loading import Fp32Linear
+    from marlhf.models.heads import Fp32Linear
 
     g = torch.Generator().manual_seed(1)
     head = Fp32Linear(16, V, bias=False).to(dtype)
@@ -128,7 +128,7 @@ def test_bf16_logits_are_kept_once_not_copied_to_float32(vocab):
 
 
 def test_the_head_path_keeps_no_vocabulary_sized_tensor():
-    from marlhf.models.loading import Fp32Linear
+    from marlhf.models.heads import Fp32Linear
 
     vocab, rows = 256_000, 16
     head = Fp32Linear(8, vocab, bias=False).to(torch.bfloat16)
@@ -149,7 +149,7 @@ def nano_model():
 
 
 def test_policy_logprobs_are_log_softmax_of_logits_over_t(nano_model):
-    from marlhf.models.loading import position_ids_from_mask
+    from marlhf.models.forward import position_ids_from_mask
     from marlhf.rlhf.rollout import policy_logprobs
 
     g = torch.Generator().manual_seed(2)

@@ -270,7 +270,8 @@ def test_reward_model_with_likelihood_term_two_ranks_zero3(work, embedded):
     """--likelihood_term under ZeRO-3 on two ranks: the term's head and α are partitioned, trained and gathered
     into the export, and the folder loaded back with its term reproduces the scores the ranks logged."""
     from marlhf.config import RewardArgs
-    from marlhf.models.loading import load_reward_model, load_tokenizer, sequence_scores
+    from marlhf.models.forward import sequence_scores
+    from marlhf.models.loading import load_reward_model, load_tokenizer
 
     out = work / "rm_ll_zero3"
     run_launcher([*deepspeed_cmd(2, 29645), str(STEP2), *run_argv(work, "rm_ll_zero3", "--zero_stage", "3",

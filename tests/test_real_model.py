@@ -171,7 +171,8 @@ def test_exported_reward_model_scores_identically_in_plain_transformers(runs, pr
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from marlhf.eval.reward import Scorer
-    from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
+    from marlhf.models.forward import sequence_scores
+    from marlhf.models.loading import load_tokenizer, load_value_model
 
     rm = runs / "rm"
     tok = AutoTokenizer.from_pretrained(rm)

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from lab import sweep
 from lab.results_report import summary_table, write_report
 

@@ -112,7 +112,7 @@ def test_reward_model_scores_the_generated_tokens_as_they_are(reward_model, reco
     from marlhf.data.formatting import PromptFormatter
     from marlhf.data.pipeline import encode_pair
     from marlhf.eval.reward import Scorer
-    from marlhf.models.loading import sequence_scores
+    from marlhf.models.forward import sequence_scores
 
     folder, tok, model = reward_model
     source = RewardModelSource(model, tok, eot="<|endoftext|>", prompt_format="raw", max_seq_len=512)

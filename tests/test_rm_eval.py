@@ -13,7 +13,8 @@ from marlhf.data.records import DataError
 from marlhf.data.synthetic import SyntheticConfig, generate, gold_score
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.score_report import read_generations, summarize
-from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
+from marlhf.models.forward import sequence_scores
+from marlhf.models.loading import load_tokenizer, load_value_model
 
 RM_EVAL = "rm_eval"
 EOT = "<|endoftext|>"

@@ -10,7 +10,8 @@ import torch
 from conftest import REPO, load_main, save_seeded_reward_model
 
 from marlhf.data.records import DataError
-from marlhf.models.loading import load_tokenizer, load_value_model, sequence_scores
+from marlhf.models.forward import sequence_scores
+from marlhf.models.loading import load_tokenizer, load_value_model
 
 RW_EVAL = REPO / "training/step2_reward_model_finetuning/rw_eval.py"
 EOT = "<|endoftext|>"

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from marlhf.data.pipeline import PairCollator
-from marlhf.models.loading import last_token_index, pair_hidden_states, sequence_scores, token_values
+from marlhf.models.forward import last_token_index, pair_hidden_states, sequence_scores, token_values
 from marlhf.supervised import divergence_span, reward_loss
 
 V = 37

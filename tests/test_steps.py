@@ -173,7 +173,8 @@ def test_reward_model_loads_as_sequence_classifier(reward_run):
     """Plain transformers scores the last non-pad token — the same number our step-2 code trains."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from marlhf.models.loading import load_value_model, sequence_scores
+    from marlhf.models.forward import sequence_scores
+    from marlhf.models.loading import load_value_model
 
     tok = AutoTokenizer.from_pretrained(reward_run)
     hf = AutoModelForSequenceClassification.from_pretrained(reward_run)

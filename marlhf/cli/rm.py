@@ -4,7 +4,7 @@
 
 The result loads in plain transformers as AutoModelForSequenceClassification (score at the last real
 token) and, in step 3, as both the critic and the reward model.  With --likelihood_term the score adds
-α · Σ log p(answer) under a next-token head started from the SFT model's (marlhf.models.loading.LikelihoodTerm);
+α · Σ log p(answer) under a next-token head started from the SFT model's (marlhf.models.heads.LikelihoodTerm);
 plain transformers then loads the score head only, load_reward_model both.
 """
 
@@ -13,7 +13,8 @@ import sys
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
-from marlhf.models.loading import apply_lora, load_options, load_reward_model, run_tokenizer
+from marlhf.models.loading import load_options, load_reward_model, run_tokenizer
+from marlhf.models.lora import apply_lora
 from marlhf.supervised import reward_objective, train
 from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run

@@ -285,7 +285,7 @@ class SFTCollator:
 
 class PairCollator:
     """Chosen sequences stacked over rejected ones, rows [0, B) chosen and [B, 2B) rejected, laid out so that
-    each pair's common prefix can be run once (:func:`marlhf.models.loading.pair_hidden_states`): row i and row
+    each pair's common prefix can be run once (:func:`marlhf.models.forward.pair_hidden_states`): row i and row
     B + i are [left padding, the tokens the two sequences share, the row's own rest, right padding], the shared
     part ending at column ``prefix_width`` in every pair.  Each side keeps at least its last token after it.
     ``response_start`` is each row's first answer column in this layout."""

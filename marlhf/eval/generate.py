@@ -207,7 +207,7 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
     Returns the number of rows written by this call."""
     from tqdm.auto import tqdm
 
-    from marlhf.utils.checkpoint import pause_point
+    from marlhf.utils import events
 
     if batch_size < 1 or num_samples < 1:
         raise ConfigError(f"--batch_size and --num_samples must be at least 1, got {batch_size}, {num_samples}")
@@ -263,7 +263,7 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
             os.fsync(f.fileno())
             written += len(lines)
             bar.update(len(chunk))
-            pause_point("generate", b)  # (tests) batch b is on disk; a test may SIGKILL the run here
+            events.reached("generate", b)  # batch b is on disk
     log.info("wrote %d rows to %s (%d in the file)", written, output, len(prompts) * num_samples)
     return written
 

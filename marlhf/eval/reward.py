@@ -12,7 +12,8 @@ import torch
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import SFTCollator, _pad, tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
-from marlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer_and_format, sequence_scores
+from marlhf.models.forward import sequence_scores
+from marlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer_and_format
 
 
 class Scorer:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from marlhf.models.logprobs import head_token_logprobs
+from marlhf.models.heads import attach_likelihood_term, fp32_head, full_shape
 
 log = logging.getLogger("marlhf")
 
@@ -124,11 +123,6 @@ def _config(path: str, dropout: float | None, **extra):
             if hasattr(cfg, key):
                 setattr(cfg, key, dropout)
     return cfg
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's shape, also when ZeRO-3 partitioned it (its own shape is then (0,))."""
-    return getattr(param, "ds_shape", param.shape)
 
 
 def _fit_vocab(model: nn.Module, tokenizer) -> None:
@@ -311,64 +305,6 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
     return model
 
 
-class Fp32Linear(nn.Linear):
-    """A linear head computed in float32 whatever the dtype of its weights and inputs: the reward model's and
-    critic's scalar ``score`` head and the likelihood term's next-token head.
-
-    A bf16 ``nn.Linear`` rounds its output to bf16 (2^-9 relative: ±0.02 at a value of 8, more than the
-    per-token KL rewards it is compared with); ``.float()`` after it cannot undo that.  DeepSpeed's bf16 / fp16
-    engines cast every parameter to the run dtype (``_cast_module_mixed_precision``; only buffers can be kept in
-    fp32), so the weights stay bf16 (their fp32 master copy lives in the optimizer) and this forward computes
-    ``hidden.float() @ W.float()ᵀ (+ b.float())`` instead.  Same parameters and state-dict keys as ``nn.Linear``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return nn.functional.linear(x.float(), self.weight.float(), bias)
-
-
-def fp32_head(linear: nn.Module) -> nn.Module:
-    """Make a plain ``nn.Linear`` head compute in float32 (:class:`Fp32Linear`), in place; other modules as they are."""
-    if type(linear) is nn.Linear:
-        linear.__class__ = Fp32Linear
-    return linear
-
-
-class LikelihoodTerm(nn.Module):
-    """α · Σ log p(answer token | what precedes it), from a next-token head over the reward model's hidden states.
-
-    A score head reading the last position does not learn from a few thousand pairs whether each answer token
-    was to be expected — a fact replaced by another of its kind reads as fluently as the right one; the SFT
-    model's next-token head knows (it learnt to copy facts from the prompt).  Step 2 trains the head and α with
-    the rest of the model under the pairwise loss."""
-
-    def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__()
-        self.lm_head = Fp32Linear(hidden_size, vocab_size, bias=False)
-        self.scale = nn.Parameter(torch.ones(1))  # 1-d: DeepSpeed broadcasts parameters as bytes
-
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                response_start: torch.Tensor) -> torch.Tensor:
-        """(B, T): α times the answer's log-probability up to and including each position (0 before the answer).
-        ``response_start`` (B,): the column of each row's first answer token."""
-        # only the columns that predict an answer token go through the vocabulary-wide projection: from the
-        # one before the earliest answer start (the prompt is most of a sequence); none when no row has one
-        first = min(max(int(response_start.min()) - 1, 0), input_ids.shape[1] - 1)
-        # column t: log p(token first + t + 1), from the float32 head (Fp32Linear) a chunk of positions at a
-        # time: no (B, T, V) logits kept for backward
-        logp = head_token_logprobs(self.lm_head, hidden[:, first:-1], input_ids[:, first + 1:])
-        column = torch.arange(first + 1, input_ids.shape[1], device=input_ids.device)[None]
-        answer = (column >= response_start[:, None]) & attention_mask[:, first + 1:].bool()
-        cumulative = torch.nn.functional.pad((logp * answer).cumsum(1), (first + 1, 0))
-        return self.scale.float() * cumulative
-
-
-def attach_likelihood_term(model: nn.Module) -> None:
-    """Give a value model an (uninitialised) :class:`LikelihoodTerm` and mark its config, so that an export
-    writes the term and :func:`load_reward_model` reads it back."""
-    model.likelihood = LikelihoodTerm(model.score.in_features, full_shape(model.get_input_embeddings().weight)[0])
-    model.config.likelihood_term = True
-
-
 def _folder_tensors(path: str, names: tuple[str, ...], required: bool = True) -> dict[str, torch.Tensor]:
     """Named tensors of a Hugging Face folder's safetensors weights (one file or shards with an index)."""
     from safetensors import safe_open
@@ -394,151 +330,6 @@ def _folder_tensors(path: str, names: tuple[str, ...], required: bool = True) ->
         raise ValueError(f"{path}: its weights lack {', '.join(missing)} (the config says the reward model has a "
                          f"likelihood term; was the folder written by step 2 with --likelihood_term?)")
     return out
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside DeepSpeed / peft wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):  # DeepSpeedEngine
-            model = model.module
-        elif hasattr(model, "get_base_model"):  # peft
-            model = model.get_base_model()
-        else:
-            return model
-
-
-def first_labelled_column(labels: torch.Tensor) -> int:
-    """The column whose logits predict the batch's earliest labelled token (labels -100 elsewhere): what
-    :func:`next_token_logits` needs to start from.  T - 1 (nothing to project) when no token is labelled."""
-    labelled = (labels[:, 1:] != -100).any(dim=0)  # column t predicts token t + 1
-    return int(labelled.long().argmax()) if bool(labelled.any()) else labels.shape[1] - 1
-
-
-def next_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int,
-                      **kwargs) -> torch.Tensor:
-    """(B, T - 1 - start, V) logits of columns start .. T - 2, column j predicting token start + j + 1.
-
-    Only these columns go through the vocabulary projection (transformers' ``logits_to_keep``, after which
-    the model's own logit post-processing, e.g. Gemma-2's soft-capping, still applies): the prompt is most of
-    a sequence and its predictions are never used, nor is the last column's."""
-    keep = torch.arange(start, input_ids.shape[1] - 1, device=input_ids.device)
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep,
-                 **kwargs).logits
-
-
-def labelled_logits(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits that predict a right-padded batch's labelled tokens and their targets, aligned: (B, K, V),
-    (B, K) with -100 where nothing is labelled (the SFT loss, DPO's and the likelihood scorer's log-probs)."""
-    start = first_labelled_column(batch["labels"])
-    logits = next_token_logits(model, batch["input_ids"], batch["attention_mask"], start)
-    return logits, batch["labels"][:, start + 1:]
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding — what ``generate`` uses, so training forwards must use them too."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       prefix_width: int = 0) -> torch.Tensor:
-    """Last hidden states (R, T, H) of a batch, where a :class:`~marlhf.data.pipeline.PairCollator` batch's
-    shared prefix is computed once: rows [0, B) and [B, 2B) hold the same tokens in columns [0, prefix_width)
-    (a pair's prompt and whatever its two answers start with), so those columns run for the first B rows
-    only, and each row's remaining columns attend to their keys and values through the KV cache.
-
-    The result equals one forward over all rows (causal attention: a column sees only the columns before it).
-    ``prefix_width`` 0 is that plain forward; so is a model under gradient checkpointing, which drops the
-    cache in training."""
-    positions = position_ids_from_mask(attention_mask)
-    rows, width = input_ids.shape
-    checkpointing = base.training and getattr(base, "gradient_checkpointing", False)
-    if prefix_width <= 0 or prefix_width >= width or rows % 2 or checkpointing:
-        return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                    position_ids=positions).last_hidden_state
-    half, P = rows // 2, prefix_width
-    prefix = base(input_ids=input_ids[:half, :P], attention_mask=attention_mask[:half, :P],
-                  position_ids=positions[:half, :P], use_cache=True)
-    # transformers 5.24 renamed the KV cache `cache`, output field and forward argument alike (`past_key_values`
-    # warns there and goes in 5.40); 5.20-5.23 call both `past_key_values`
-    name = "cache" if "cache" in prefix else "past_key_values"
-    cache = prefix[name]
-    cache.batch_select_indices(torch.arange(half, device=input_ids.device).repeat(2))  # pair i -> rows i, B + i
-    rest = base(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
-                use_cache=True, **{name: cache}).last_hidden_state
-    return torch.cat([prefix.last_hidden_state.repeat(2, 1, 1), rest], dim=1)
-
-
-def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 response_start: torch.Tensor | int | None = None, prefix_width: int = 0) -> torch.Tensor:
-    """Scalar head on every position: (B, T) values (the critic) / per-token rewards.  A reward model with a
-    :class:`LikelihoodTerm` adds it, which needs ``response_start``: each row's first answer column (B,), or
-    one column for all rows (left-padded prompts).  ``prefix_width``: a pair batch's shared columns, run
-    once (:func:`pair_hidden_states`)."""
-    inner = _unwrap(model)
-    base = getattr(inner, inner.base_model_prefix)
-    hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width)
-    values = inner.score(hidden).squeeze(-1).float()  # (B, T); the head computes in float32 (Fp32Linear)
-    term = getattr(inner, "likelihood", None)
-    if term is None:
-        return values
-    if response_start is None:
-        raise ValueError("this reward model has a likelihood term: scoring needs where each answer starts")
-    if not torch.is_tensor(response_start):
-        response_start = torch.full((input_ids.shape[0],), int(response_start), device=input_ids.device)
-    return values + term(hidden, input_ids, attention_mask, response_start.to(input_ids.device))
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Column of each row's last real token (its rightmost unmasked column, whatever padding precedes it): (B,)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask.long()).argmax(dim=1)
-
-
-def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_start: torch.Tensor | int | None = None, prefix_width: int = 0) -> torch.Tensor:
-    """Reward-model score of each sequence: the head's value at its last real token, plus the likelihood term
-    over the answer when the model has one (which needs ``response_start``, as :func:`token_values`).  (B,)"""
-    values = token_values(model, input_ids, attention_mask, response_start, prefix_width)
-    idx = last_token_index(attention_mask)
-    return values.gather(1, idx[:, None]).squeeze(1)
-
-
-# --------------------------------------------------------------------------------------------------------
-# LoRA (peft)
-# --------------------------------------------------------------------------------------------------------
-def lora_targets(model: nn.Module, module_names: str) -> list[str]:
-    """Names of the Linear layers that get LoRA: those containing one of the comma-separated substrings
-    (DeepSpeed-Chat's --lora_module_name), or every Linear inside the decoder blocks when empty."""
-    wanted = [s for s in module_names.split(",") if s.strip()]
-    names = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or name.endswith(("lm_head", "score")):
-            continue
-        in_block = re.search(r"\.layers?\.\d+\.|\.h\.\d+\.|\.blocks?\.\d+\.", f".{name}")
-        if (any(w in name for w in wanted) if wanted else in_block):
-            names.append(name)
-    if not names:
-        raise ValueError(f"--lora_module_name {module_names!r} matches no Linear layer of {type(model).__name__}")
-    return names
-
-
-def apply_lora(model: nn.Module, dim: int, module_names: str, only_optimize_lora: bool, task: str = "CAUSAL_LM"):
-    """Wrap ``model`` with peft LoRA adapters; unless ``only_optimize_lora``, the base weights train too."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=dim, lora_alpha=dim, lora_dropout=0.0, target_modules=lora_targets(model, module_names),
-                     task_type=task, modules_to_save=["score"] if task == "SEQ_CLS" else None)
-    peft_model = get_peft_model(model, cfg)
-    if not only_optimize_lora:
-        for p in peft_model.parameters():
-            p.requires_grad_(True)
-    n_train = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    n_all = sum(p.numel() for p in peft_model.parameters())
-    from peft.tuners.lora import LoraLayer
-
-    n_modules = sum(isinstance(m, LoraLayer) for m in peft_model.modules())  # wrapped layers, not name patterns
-    log.info("LoRA r=%d on %d modules; trainable %d / %d parameters", dim, n_modules, n_train, n_all)
-    return peft_model
 
 
 def torch_dtype(name: str) -> torch.dtype:

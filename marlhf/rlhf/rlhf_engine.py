@@ -20,7 +20,6 @@ import torch
 
 from marlhf.errors import ConfigError, PlatformError
 from marlhf.models.loading import (
-    apply_lora,
     load_causal_lm,
     load_options,
     load_reward_model,
@@ -29,6 +28,7 @@ from marlhf.models.loading import (
     torch_dtype,
     zero3_init_config,
 )
+from marlhf.models.lora import apply_lora
 from marlhf.rlhf.estimators import needs_critic
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_args, frozen_engine

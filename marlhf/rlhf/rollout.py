@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from marlhf.generation import GenerationConfig, Samples, sample
-from marlhf.models.loading import next_token_logits, position_ids_from_mask, token_values
+from marlhf.models.forward import next_token_logits, position_ids_from_mask, token_values
 from marlhf.models.logprobs import token_logprobs
 from marlhf.rlhf.estimators import critic_free_advantages, groups
 from marlhf.rlhf.macro import num_macros

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from marlhf.errors import ConfigError, UserError
-from marlhf.utils import dist
+from marlhf.utils import dist, events
 
 log = logging.getLogger("marlhf")
 
@@ -45,16 +45,6 @@ def topology(engines: dict) -> dict:
     return out
 
 
-def pause_point(where: str, step: int) -> None:
-    """Test hook for crash-safety tests: with MARLHF_TEST_PAUSE="<where>:<step>" the process announces itself
-    in the file MARLHF_TEST_PAUSE_MARKER and sleeps, so a test can SIGKILL it at exactly this point."""
-    if os.environ.get("MARLHF_TEST_PAUSE") == f"{where}:{step}" and dist.is_main():
-        import time
-
-        Path(os.environ["MARLHF_TEST_PAUSE_MARKER"]).write_text(f"{where}:{step}")
-        time.sleep(600)
-
-
 def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, keep: int = 2) -> Path:
     """Save every engine of the run plus trainer state and RNGs as tag ``step{step}``; all ranks call this."""
     root = Path(root)
@@ -67,7 +57,7 @@ def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, kee
         engine.save_checkpoint(str(folder), tag=name, save_latest=False)
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(dist.rng_state(), folder / f"rng_rank{dist.rank()}.pt")
-    pause_point("save", step)  # (tests) the engines' files are written, the checkpoint is not complete yet
+    events.reached("save", step)  # the engines' files are written, the checkpoint is not complete yet
     dist.barrier()
     if dist.is_main():
         full = {"step": step, **state, "topology": topology(engines)}
@@ -243,7 +233,7 @@ def _rebuild(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) ->
     with torch.device("meta"):
         fresh = type(base)(base.config)
         if getattr(base, "likelihood", None) is not None:  # a reward model's likelihood term
-            from marlhf.models.loading import attach_likelihood_term
+            from marlhf.models.heads import attach_likelihood_term
 
             attach_likelihood_term(fresh)
     if is_peft:

@@ -241,13 +241,9 @@ def checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
 def _model_from_checkpoint(src: StepOutput, base_model: str):
     """(model with the checkpoint's weights, LoRA merged; tokenizer; format), rebuilt as the run built it from
     its recorded flags (args.json): base model, end token, prompt format, added tokens, LoRA."""
-    from marlhf.models.loading import (
-        apply_lora,
-        attach_likelihood_term,
-        load_causal_lm,
-        load_tokenizer_and_format,
-        load_value_model,
-    )
+    from marlhf.models.heads import attach_likelihood_term
+    from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, load_value_model
+    from marlhf.models.lora import apply_lora
 
     args = _read_args(src.run_dir)
     if not args and not base_model:
