@@ -18,6 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 
 def opt(default, help: str, choices=None, aliases=()):  # noqa: A002 - mirrors argparse's name
@@ -38,6 +39,57 @@ SECTION_STARTS = {
     "enable_ema": "EMA and per-model LoRA", "kl_ctl": "PPO, sampling and macro actions",
     "reward_source": "reward source", "advantage_estimator": "advantage estimator",
 }
+
+
+
+def component_names(package: str) -> tuple[str, ...]:
+    """The components of a registry package (the termination rules, the advantage estimators): one module per
+    component, named as it — listed without importing them, so that ``--help`` needs no torch."""
+    import importlib.util
+    import pkgutil
+
+    spec = importlib.util.find_spec(package)
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)))
+
+
+class Components:
+    """The ``choices`` of a flag naming a component: the package's modules when asked (a module added to the
+    package is a valid value at once)."""
+
+    def __init__(self, package: str):
+        self.package = package
+
+    def __iter__(self):
+        return iter(component_names(self.package))
+
+    def __contains__(self, name) -> bool:
+        return name in component_names(self.package)
+
+    def __len__(self) -> int:
+        return len(component_names(self.package))
+
+    def __repr__(self) -> str:
+        return repr(component_names(self.package))
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """One trained model's DeepSpeed engine (:func:`marlhf.utils.ds_engine.engine_from_section`): the model's
+    optimizer, schedule, ZeRO stage and precision.  Built by the step's flags (``args.engine(role)``): steps 1-2
+    read --learning_rate, --zero_stage, ...; step 3's actor / critic read --actor_learning_rate, ... ."""
+
+    stage: str  # sft | reward | dpo | actor | critic: whose default learning rate applies
+    learning_rate: float | None  # None: the default for the stage and the model's size
+    weight_decay: float
+    lora_learning_rate: float
+    gradient_accumulation_steps: int
+    zero_stage: int
+    offload: bool
+    dtype: str
+    lr_scheduler_type: str
+    num_warmup_steps: int
+    warmup_ratio: float
+    gradient_checkpointing: bool
 
 
 @dataclass
@@ -148,6 +200,8 @@ class BaseArgs:
 class SupervisedArgs(BaseArgs):
     """Steps 1 and 2: one model trained on a supervised objective."""
 
+    STAGE: ClassVar[str] = "sft"  # whose default learning rate applies (EngineSection.stage)
+
     model_name_or_path: str = opt("", "Hugging Face model name or local folder (default: the embedded tiny "
                                   "model, built on first use).")
     per_device_train_batch_size: int = opt(8, "Micro-batch size per rank for training.")
@@ -165,6 +219,13 @@ class SupervisedArgs(BaseArgs):
     def validate(self) -> None:
         super().validate()
         _check_offload({"--zero_stage": self.zero_stage} if self.offload else {})
+
+    def engine(self) -> EngineSection:
+        """The trained model's engine section."""
+        return EngineSection(self.STAGE, self.learning_rate, self.weight_decay, self.lora_learning_rate,
+                             self.gradient_accumulation_steps, self.zero_stage, self.offload, self.dtype,
+                             self.lr_scheduler_type, self.num_warmup_steps, self.warmup_ratio,
+                             self.gradient_checkpointing)
 
 
 def _check_offload(stages: dict[str, int]) -> None:
@@ -186,6 +247,8 @@ class SFTArgs(SupervisedArgs):
 @dataclass
 class RewardArgs(SupervisedArgs):
     """Step 2: reward model = base LM + scalar head, pairwise loss -log σ(r⁺ - r⁻)."""
+
+    STAGE: ClassVar[str] = "reward"
 
     learning_rate: float | None = opt(None, "Peak learning rate (default: 5e-4 for the embedded tiny model, the "
                                       "paper's Table 5 value for the model's size class otherwise).")
@@ -209,6 +272,8 @@ class RewardArgs(SupervisedArgs):
 @dataclass
 class DPOArgs(SupervisedArgs):
     """Step 2 alternative: DPO / IPO of the SFT policy on the reward model's preference pairs (paper App. C.3)."""
+
+    STAGE: ClassVar[str] = "dpo"
 
     learning_rate: float | None = opt(None, "Peak learning rate (default: 1e-4 for the embedded tiny model, the "
                                       "paper's C.3 value 2e-7 otherwise).")
@@ -287,8 +352,8 @@ class RLHFArgs(BaseArgs):
                                    "the KL: '1' (raw logits; DeepSpeed-Chat and the MA-RLHF code) or 'sampling' "
                                    "(--temperature: the distribution the answers were sampled from, before "
                                    "top-k / top-p; TRL and OpenRLHF).", choices=("1", "sampling"))
-    termination_condition: str = opt("fixed", "Macro-action termination rule ζ (paper §3.2.1).",
-                                     choices=("fixed", "randomized", "ppl", "parsing", "word"))
+    termination_condition: str = opt("fixed", "Macro-action termination rule ζ (paper §3.2.1): one module each in "
+                                     "marlhf/rlhf/termination.", choices=Components("marlhf.rlhf.termination"))
     ngram: str = opt("5", "n of the fixed rule: 1 = vanilla PPO, 0 or inf = one macro action per response.")
     repeat_times: int = opt(3, "Randomized rule: times the length list {2,3,5,10} is repeated.")
     parser_cutoff: int = opt(5, "Parsing rule: a tree node with fewer than C tokens is one macro action.")
@@ -331,8 +396,9 @@ class RLHFArgs(BaseArgs):
     # --- advantage estimator (issue 11; marlhf/rlhf/estimators.py says which combinations are meaningful) ---
     advantage_estimator: str = opt("gae", "gae: macro GAE with a critic (MA-PPO); rloo: leave-one-out baseline over "
                                    "the K samples of a prompt; grpo: (R - mean) / std over them; reinforce: batch-mean "
-                                   "baseline. The last three treat the response as one action and build no critic.",
-                                   choices=("gae", "rloo", "grpo", "reinforce"))
+                                   "baseline. The last three treat the response as one action and build no critic "
+                                   "(one module each in marlhf/rlhf/advantages).",
+                                   choices=Components("marlhf.rlhf.advantages"))
     num_samples_per_prompt: int = opt(1, "K answers sampled per prompt (a group: generated, scored and given "
                                       "advantages together on one rank); --per_device_generation_batch_size counts "
                                       "prompts, so a generation batch holds that many x K experiences.")
@@ -355,10 +421,10 @@ class RLHFArgs(BaseArgs):
         self.validate_reward_flags()
         self.validate_estimator()
         if self.offload:  # the actor, and the critic where the estimator trains one
-            from marlhf.rlhf.estimators import needs_critic
+            from marlhf.rlhf.advantages import estimator_class
 
             stages = {"--actor_zero_stage": self.actor_zero_stage}
-            if needs_critic(self.advantage_estimator):
+            if estimator_class(self.advantage_estimator).needs_critic:
                 stages["--critic_zero_stage"] = self.critic_zero_stage
             _check_offload(stages)
         gen_rows = self.per_device_generation_batch_size * self.num_samples_per_prompt  # experiences per batch
@@ -400,9 +466,18 @@ class RLHFArgs(BaseArgs):
             if self.reward_retries < 0:
                 raise ConfigError(f"--reward_retries must be >= 0, got {self.reward_retries}")
 
+    def engine(self, role: str) -> EngineSection:
+        """The ``actor`` or ``critic`` engine section (--actor_learning_rate, --actor_zero_stage, ...)."""
+        if role not in ("actor", "critic"):
+            raise ValueError(f"step 3 trains an actor and a critic, not {role!r}")
+        return EngineSection(role, getattr(self, f"{role}_learning_rate"), getattr(self, f"{role}_weight_decay"),
+                             self.lora_learning_rate, self.gradient_accumulation_steps,
+                             getattr(self, f"{role}_zero_stage"), self.offload, self.dtype, self.lr_scheduler_type,
+                             self.num_warmup_steps, self.warmup_ratio, getattr(self, f"{role}_gradient_checkpointing"))
+
     def validate_estimator(self) -> None:
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""
-        from marlhf.rlhf.estimators import check_estimator_options
+        from marlhf.rlhf.advantages import check_estimator_options
 
         defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
         check_estimator_options(

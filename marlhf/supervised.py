@@ -1,4 +1,4 @@
-"""The training loop of steps 1 and 2 — written once; the steps differ only in their :class:`Objective`.
+"""Steps 1 and 2 — one recipe in the one loop (:mod:`marlhf.loop`); the steps differ only in their :class:`Objective`.
 
 Step 1 (SFT): next-token loss on response tokens, evaluated as perplexity.
 Step 2 (reward model): pairwise loss -log σ(r⁺ - r⁻) on the score at each sequence's last real token,
@@ -12,19 +12,17 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from marlhf import loop
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.models.forward import labelled_logits, last_token_index, sequence_scores, token_values
 from marlhf.models.logprobs import token_logprobs
-from marlhf.utils import checkpoint, dist, events
-from marlhf.utils.ds_engine import engine_from_args
+from marlhf.utils import dist
+from marlhf.utils.ds_engine import engine_from_section
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
-from marlhf.utils.tracking import Tracker
 
 log = logging.getLogger("marlhf")
 
@@ -186,11 +184,52 @@ def _to_device(batch: dict) -> dict:
 # --------------------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------------------
+class SupervisedRecipe(loop.Recipe):
+    """Steps 1-2 in the loop (:mod:`marlhf.loop`): one optimizer step is a window of ``--gradient_accumulation_steps``
+    micro-batches under ``objective``, whose losses are weighted by ``--loss_aggregation``; evaluated at the
+    start, every ``--eval_interval`` steps, at epoch ends and at the end."""
+
+    eval_at_start = eval_at_epoch_end = eval_at_end = True
+
+    def __init__(self, engine, objective: Objective, eval_loader, loss_aggregation: str, max_skipped_steps: int,
+                 num_items: int):
+        self.engine, self.objective, self.eval_loader = engine, objective, eval_loader
+        self.name, self.loss_aggregation, self.num_items = objective.name, loss_aggregation, num_items
+        self.guard = StepGuard(max_skipped_steps)
+
+    def engines(self) -> dict:
+        return {self.objective.name: self.engine}
+
+    def step(self, window: list, step: int) -> dict:
+        # the window's micro-batches are counted (on all ranks) on the host, before the first backward
+        ga = len(window)
+        mults = loss_multipliers([self.objective.count(b) for b in window], [0] * ga, ga, self.loss_aggregation)
+        for batch, mult in zip(window, mults):
+            loss, metrics = self.objective.loss(self.engine, _to_device(batch))
+            self.guard.backward(self.engine, loss * mult, "loss")
+            self.guard.step(self.engine)
+        metrics = dict(zip(metrics, torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(())
+                                                 for v in metrics.values()]).tolist()))  # one host read
+        metrics.update(self.guard.end_step(step + 1))
+        return {**metrics, "lr": self.engine.get_lr()[0]}
+
+    def evaluate(self) -> dict:
+        return self.objective.evaluate(self.engine, _device_iter(self.eval_loader))
+
+    def postfix(self, metrics: dict) -> dict:
+        return {"loss": f"{metrics['loss']:.4f}"}
+
+    def describe(self, steps_per_epoch: int, total: int, start: int) -> None:
+        log.info("%s: %d examples, %d steps/epoch, %d steps total (starting at %d), world %d", self.name,
+                 self.num_items, steps_per_epoch, total, start, dist.world_size())
+
+
 def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict], objective: Objective):
     """Train ``model`` on ``train_items`` with ``objective`` under DeepSpeed; returns the engine.
 
-    Evaluates before training and every ``--eval_interval`` steps / epoch end, checkpoints every
-    ``--save_steps`` (resumable with ``--resume``), logs to ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
+    The loop (:func:`marlhf.loop.run`) evaluates before training and every ``--eval_interval`` steps / epoch
+    end, checkpoints every ``--save_steps`` (resumable with ``--resume``), logs to
+    ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
     mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     lengths = [objective.length(item) for item in train_items] if args.group_by_length else None
     sampler = ResumableSampler(len(train_items), args.seed, lengths=lengths, batch_size=mb)
@@ -198,60 +237,12 @@ def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict
     eval_loader = make_loader(eval_items, args.per_device_eval_batch_size,
                               ResumableSampler(len(eval_items), args.seed, shuffle=False), objective.collator)
     steps_per_epoch, total = plan_steps(len(train_items), mb, ga, args.num_train_epochs, args.max_steps)
-    engine = engine_from_args(model, args, total, mb)
-    ckpt_root = Path(args.output_dir) / "checkpoints"
-    tracker = Tracker(args.output_dir, args.tensorboard_path, args.enable_tensorboard, args.print_loss)
-    step, epoch, done_in_epoch = 0, 0, 0
-    dist.seed_rank_streams(args.seed)  # the models are built: dropout masks differ between ranks from here
-    if args.resume:
-        state = checkpoint.load_checkpoint(ckpt_root, {objective.name: engine})
-        if state is not None:
-            step, epoch, done_in_epoch = state["step"], state["epoch"], state["batches_done"]
-        else:
-            log.info("--resume: no checkpoint in %s, starting from scratch", ckpt_root)
-    if step == 0:
-        tracker.log(0, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
-    log.info("%s: %d examples, %d steps/epoch, %d steps total (starting at %d), world %d", objective.name,
-             len(train_items), steps_per_epoch, total, step, dist.world_size())
-
-    bar = tqdm(total=total, initial=step, desc=objective.name, disable=not dist.is_main() or args.disable_progress_bar)
-    guard = StepGuard(args.max_skipped_steps)
+    engine = engine_from_section(model, args.engine(), total, mb)
+    recipe = SupervisedRecipe(engine, objective, eval_loader, args.loss_aggregation, args.max_skipped_steps,
+                              len(train_items))
     engine.train()
-    while step < total:
-        # done_in_epoch counts optimizer steps; each consumed ga micro-batches of mb items
-        sampler.set_epoch(epoch, skip=done_in_epoch * ga * mb)
-        it = iter(loader)
-        while done_in_epoch < steps_per_epoch and step < total:
-            # one optimizer step: its ga micro-batches are counted (on all ranks) before the first backward
-            window = [next(it) for _ in range(ga)]  # counted on the host, before they move to the device
-            mults = loss_multipliers([objective.count(b) for b in window], [0] * ga, ga, args.loss_aggregation)
-            for batch, mult in zip(window, mults):
-                loss, metrics = objective.loss(engine, _to_device(batch))
-                guard.backward(engine, loss * mult, "loss")
-                guard.step(engine)
-            done_in_epoch += 1
-            step += 1
-            metrics = dict(zip(metrics, torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(())
-                                                     for v in metrics.values()]).tolist()))  # one host read
-            metrics.update(guard.end_step(step))
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-            tracker.log(step, {**metrics, "lr": engine.get_lr()[0], "epoch": epoch}, prefix="train/")
-            if args.eval_interval and step % args.eval_interval == 0:
-                tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
-            if args.save_steps and step % args.save_steps == 0:
-                checkpoint.save_checkpoint(ckpt_root, {objective.name: engine}, step,
-                                           {"epoch": epoch, "batches_done": done_in_epoch}, args.keep_checkpoints)
-            events.reached("step", step)  # between two checkpoints
-        if done_in_epoch >= steps_per_epoch:  # epoch finished
-            epoch, done_in_epoch = epoch + 1, 0
-            if not (args.eval_interval and step % args.eval_interval == 0):
-                tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
-        elif step >= total and step > 0 and not (args.eval_interval and step % args.eval_interval == 0):
-            # stopped by --max_steps inside an epoch: the final model is still evaluated
-            tracker.log(step, objective.evaluate(engine, _device_iter(eval_loader)), prefix="eval/", echo=True)
-    bar.close()
-    tracker.close()
+    loop.run(recipe, loader, sampler, loop.LoopSection.from_args(args), steps_per_epoch=steps_per_epoch, total=total,
+             batches_per_step=ga, items_per_batch=mb)
     return engine
 
 

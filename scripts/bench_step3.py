@@ -61,7 +61,7 @@ from marlhf import embedded  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
 from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
 from marlhf.models.loading import run_tokenizer  # noqa: E402
-from marlhf.rlhf.estimators import needs_critic  # noqa: E402
+from marlhf.rlhf.advantages import estimator_class  # noqa: E402
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
 from marlhf.rlhf.trainer import MAPPOTrainer  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
@@ -251,7 +251,8 @@ def main(argv=None) -> None:
     rlhf = build_rlhf_engine(args[BASELINE], tok, total_steps=100)
     trainers, batches = {}, {}
     for v in cli.variants:
-        view = rlhf if needs_critic(args[v].advantage_estimator) else dataclasses.replace(rlhf, critic=None)
+        critic = estimator_class(args[v].advantage_estimator).needs_critic
+        view = rlhf if critic else dataclasses.replace(rlhf, critic=None)
         trainers[v] = MAPPOTrainer(args[v], view, tok)
         n = args[v].per_device_generation_batch_size
         batches[v] = PromptCollator(tok.pad_token_id)(prompts[:n])  # collated alone: no extra left padding

@@ -136,9 +136,10 @@ def test_dpo_flags():
 
 
 def test_dpo_default_learning_rates():
-    from marlhf.utils.ds_engine import _stage, default_learning_rate
+    from marlhf.config import RewardArgs, SFTArgs
+    from marlhf.utils.ds_engine import default_learning_rate
 
-    assert _stage(parse_args(DPOArgs, [])[0], "") == "dpo"
+    assert [parse_args(c, [])[0].engine().stage for c in (SFTArgs, RewardArgs, DPOArgs)] == ["sft", "reward", "dpo"]
     assert default_learning_rate("dpo", 5_000_000) == 1e-4  # the embedded tiny model
     assert default_learning_rate("dpo", 2_500_000_000) == 2e-7  # App. C.3, Gemma-2B
 

@@ -70,7 +70,7 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
     calls = []
 
     def fake_stage(sft, rm, out, samples, **kw):
-        calls.append(("stage", samples))
+        calls.append(("stage", samples, kw["pairing"], kw["ties"], kw["epochs"]))
         (out / "reward_model").mkdir(parents=True)
 
     def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic
@@ -88,11 +88,12 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
         return list(calls)
 
     onpolicy_rm = str(root / "step2_onpolicy/reward_model")
-    assert run() == [(1, None), (2, None), ("stage", 2), (3, onpolicy_rm)]
+    assert run() == [(1, None), (2, None), ("stage", 4, "all", "drop", 1), (3, onpolicy_rm)]
     (root / "step2_onpolicy/marker").write_text("from the old step 2")
     assert run("--step", "3") == [(3, onpolicy_rm)]  # reused
     assert (root / "step2_onpolicy/marker").exists()
-    assert run("--step", "2", "3", "--onpolicy_samples", "4") == [(2, None), ("stage", 4), (3, onpolicy_rm)]
+    assert run("--step", "2", "3", "--onpolicy_samples", "2", "--onpolicy_pairing", "disjoint", "--onpolicy_ties",
+               "keep", "--onpolicy_epochs", "3") == [(2, None), ("stage", 2, "disjoint", "keep", 3), (3, onpolicy_rm)]
     assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
     assert run("--onpolicy_samples", "0")[-1] == (3, str(root / "step2"))
     assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm")]

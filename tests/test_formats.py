@@ -106,7 +106,7 @@ def test_reward_model_with_pad_equal_to_eos_scores_the_same_in_plain_transformer
     project swaps in a distinct pad, so plain transformers (last non-pad token) scores the end token."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from marlhf.utils.checkpoint import export_hf
+    from marlhf.models.export import export_hf
 
     base = AutoTokenizer.from_pretrained(nano_dir)
     base.pad_token = base.eos_token  # pad == eos == end token

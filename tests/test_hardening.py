@@ -108,11 +108,12 @@ def test_compute_advantages_on_an_empty_batch_has_zero_statistics():
 # ----------------------------------------------------------------------------------- randomized seeding
 def test_randomized_rule_differs_per_generation_batch_and_repeats_per_seed(embedded):
     from marlhf.models.loading import load_tokenizer
+    from marlhf.rlhf.sections import MacroSection
     from marlhf.rlhf.segmentation import MacroSegmenter
 
-    args = SimpleNamespace(termination_condition="randomized", ngram_n=5, seed=0, repeat_times=3,
-                           macro_reward="sum", response_kind="text", parser_backend="spacy", parser_cutoff=5)
-    seg_fn = MacroSegmenter(args, load_tokenizer(""))
+    section = MacroSection(termination_condition="randomized", ngram=5, repeat_times=3, parser_backend="auto",
+                           parser_cutoff=5, parser_model="", response_kind="text", split_last=False)
+    seg_fn = MacroSegmenter(section, load_tokenizer(""), seed=0)
     mask = torch.ones(8, 60, dtype=torch.bool)
     answer = torch.zeros(8, 60, dtype=torch.long)
     lp = torch.zeros(8, 60)

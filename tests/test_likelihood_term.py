@@ -125,7 +125,7 @@ def test_scores_without_the_answer_start_are_refused(nano):
 def test_export_keeps_the_term_and_plain_transformers_loads_the_head(nano, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from marlhf.utils.checkpoint import export_hf
+    from marlhf.models.export import export_hf
 
     folder, tok, model = nano
     export_hf(model, tok, tmp_path / "rm")
@@ -163,7 +163,7 @@ def test_loading_the_term_reports_no_unexpected_keys_and_leaves_transformers_as_
     import transformers
     from transformers import AutoModelForSequenceClassification
 
-    from marlhf.utils.checkpoint import export_hf
+    from marlhf.models.export import export_hf
 
     folder, tok, model = nano
     export_hf(model, tok, tmp_path / "rm")

@@ -171,7 +171,8 @@ def test_sampling_temperature_makes_pi_old_the_distribution_that_sampled(nano_mo
     far more."""
     from types import SimpleNamespace
 
-    from marlhf.rlhf.rollout import logprob_temperature, policy_logprobs
+    from marlhf.rlhf.rollout import policy_logprobs
+    from marlhf.rlhf.sections import logprob_temperature
 
     T = 0.7
     g = torch.Generator().manual_seed(3)

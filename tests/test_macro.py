@@ -12,6 +12,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from maths_helpers import segments_for_rule
 
 from marlhf.rlhf import macro
 from marlhf.rlhf.macro import (
@@ -23,7 +24,6 @@ from marlhf.rlhf.macro import (
     num_macros,
     ppl_starts,
     randomized_starts,
-    segments_for_rule,
     segments_from_starts,
     split_last_token,
     to_tokens,

@@ -148,7 +148,7 @@ def test_two_ranks_zero3_checkpoint_exports_the_trained_model(zero3, tmp_path):
     """marlhf export --from_checkpoint merges the two ranks' ZeRO-3 partitions into the trained model."""
     from transformers import AutoModelForCausalLM
 
-    from marlhf.utils.model_card import export_step_output
+    from marlhf.models.card import export_step_output
 
     engine = zero3 / "checkpoints" / f"step{STEPS:08d}" / "sft"
     assert sorted(p.name for p in engine.glob("zero_pp_rank_*_optim_states.pt")) == [

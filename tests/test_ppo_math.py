@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from maths_helpers import segments_for_rule
 
-from marlhf.rlhf.macro import macro_rewards, macro_values, segments_for_rule, segments_from_starts
+from marlhf.rlhf.macro import macro_rewards, macro_values, segments_from_starts
 from marlhf.rlhf.ppo_math import (
     compute_advantages,
     gae,

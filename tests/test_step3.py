@@ -146,16 +146,16 @@ def test_two_ranks_actor_zero2_critic_zero3(nano, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- segmenter
 def _segmenter(rule, **kw):
-    from types import SimpleNamespace
 
     from marlhf.models.loading import load_tokenizer
+    from marlhf.rlhf.sections import MacroSection
     from marlhf.rlhf.segmentation import MacroSegmenter
 
     tok = load_tokenizer("")
-    args = SimpleNamespace(termination_condition=rule, ngram_n=kw.get("n", 5), seed=0, repeat_times=3,
-                           macro_reward=kw.get("macro_reward", "sum"), response_kind="text", parser_backend="spacy",
-                           parser_cutoff=5, parser_model="")
-    return MacroSegmenter(args, tok), tok
+    section = MacroSection(termination_condition=rule, ngram=kw.get("n", 5), repeat_times=3,
+                           split_last=kw.get("macro_reward", "sum") == "compat", response_kind="text",
+                           parser_backend="spacy", parser_cutoff=5, parser_model="")
+    return MacroSegmenter(section, tok, seed=0), tok
 
 
 def _answers(tok, texts):

@@ -84,7 +84,7 @@ def test_rloo_advantages_on_the_wire_equal_a_loop_reference(rloo_experience):
 
 
 def test_a_batch_with_a_partial_group_is_refused():
-    from marlhf.rlhf.estimators import critic_free_advantages
+    from maths_helpers import critic_free_advantages
 
     m = torch.ones(6, 3, dtype=torch.bool)
     z = torch.zeros(6, 3)

@@ -63,8 +63,8 @@ def test_export_round_trip_logits_equal(embedded, tmp_path):
     """The exported folder reproduces the trained module's logits exactly."""
     from transformers import AutoModelForCausalLM
 
+    from marlhf.models.export import export_hf
     from marlhf.models.loading import load_causal_lm, load_tokenizer
-    from marlhf.utils.checkpoint import export_hf
 
     tok = load_tokenizer(str(embedded.model_dir))
     model = load_causal_lm(str(embedded.model_dir), tok)

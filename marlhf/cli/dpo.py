@@ -12,10 +12,10 @@ from marlhf.config import DPOArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.dpo import dpo_objective
 from marlhf.errors import run_cli
+from marlhf.models.export import export_hf
 from marlhf.models.loading import load_causal_lm, load_options, load_tokenizer_and_format
 from marlhf.models.lora import apply_lora
 from marlhf.supervised import train
-from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.ds_engine import frozen_engine
 from marlhf.utils.run import setup_run
 

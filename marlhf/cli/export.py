@@ -24,7 +24,7 @@ import logging
 import sys
 
 from marlhf.errors import run_cli
-from marlhf.utils.model_card import STEP3_MODELS, export_step_output
+from marlhf.models.card import STEP3_MODELS, export_step_output
 
 
 def parse_args(argv=None):

@@ -20,13 +20,14 @@ from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import build_phase_data, plan_steps
 from marlhf.errors import run_cli
 from marlhf.eval.policy import evaluate_policy
+from marlhf.models.export import export_hf
 from marlhf.models.loading import run_tokenizer
 from marlhf.rewards import evaluation_sources, require_meta, reward_source_from_args
 from marlhf.rlhf.rlhf_engine import build_rlhf_engine
 from marlhf.rlhf.tasks import ptx_items
 from marlhf.rlhf.trainer import MAPPOTrainer
 from marlhf.utils import dist
-from marlhf.utils.checkpoint import export_hf, resumed_record
+from marlhf.utils.checkpoint import resumed_record
 from marlhf.utils.run import setup_run
 
 

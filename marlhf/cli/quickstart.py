@@ -62,6 +62,11 @@ def parse_args(argv=None):
                         "--task).")
     p.add_argument("--onpolicy_max_prompts", type=int, default=0,
                    help="Of step 2's prompts, the first N answered for those pairs (0: all).")
+    p.add_argument("--onpolicy_pairing", default="all", choices=("all", "disjoint"),
+                   help="Pairs of a prompt's answers: all K(K-1)/2 or disjoint (0-1, 2-3, ...).")
+    p.add_argument("--onpolicy_ties", default="drop", choices=("drop", "keep"),
+                   help="Pairs the annotator scores equal: drop, or keep with a coin-flip label.")
+    p.add_argument("--onpolicy_epochs", type=int, default=1, help="Epochs of the reward model over those pairs.")
     p.add_argument("--extra_args", action="append", default=[],
                    help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms).")
     return p.parse_args(argv)
@@ -115,9 +120,6 @@ def run_step(step: int, args, root: Path) -> float:
 
 # the simulated annotator and the reward model's further training (docs/results/onpolicy_reward.md)
 ONPOLICY_TAU = 0.05  # Bradley-Terry temperature of the gold annotator's labels
-ONPOLICY_PAIRING = "all"  # K answers give K(K-1)/2 pairs: more pairs per generated answer
-ONPOLICY_TIES = "drop"  # equal gold scores: an annotator's "about the same", no label
-ONPOLICY_RM_EPOCHS = 1  # more epochs over the same pairs did not help (docs/results/onpolicy_reward.md)
 ONPOLICY_RM_LEARNING_RATE = 1e-4
 ONPOLICY_HELD_OUT = 0.15  # share of the prompts whose pairs measure the reward model
 
@@ -137,7 +139,8 @@ def run_logged(cmd: list[str], log: Path) -> float:
 
 
 def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generation: dict | None = None,
-                          max_prompts: int = 0, rm_args: list[str] | tuple = ()) -> dict:
+                          max_prompts: int = 0, rm_args: list[str] | tuple = (), pairing: str = "all",
+                          ties: str = "drop", epochs: int = 1) -> dict:
     """Train the step-2 reward model ``rm`` further on gold-labelled pairs of the SFT policy ``sft``'s answers.
 
     ``samples`` answers to each of step 2's prompts (the data settings are step 2's, from its args.json;
@@ -163,7 +166,7 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
             "--output", str(out / "answers.jsonl"), "--overwrite", "--no_progress"), out / "generate.log")
         seconds["label"] = run_logged(marlhf_cmd(
             "label", "--generations", str(out / "answers.jsonl"), "--annotator", "gold", "--tau", str(ONPOLICY_TAU),
-            "--pairing", ONPOLICY_PAIRING, "--ties", ONPOLICY_TIES,
+            "--pairing", pairing, "--ties", ties,
             "--seed", "1", "--eval_fraction", str(ONPOLICY_HELD_OUT), "--output", str(out / "pairs")),
             out / "label.log")
     if not (out / "reward_model" / "model.safetensors").exists():
@@ -174,7 +177,7 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
         seconds["reward_model"] = run_logged(marlhf_cmd(
             "rm", "--config", str(out / "rm_config.json"), "--model_name_or_path", str(rm),
             "--data_path", str(out / "pairs"), "--data_split", "0,1,0", "--data_output_path", str(out / "data"),
-            "--output_dir", str(out / "reward_model"), "--num_train_epochs", str(ONPOLICY_RM_EPOCHS),
+            "--output_dir", str(out / "reward_model"), "--num_train_epochs", str(epochs),
             "--learning_rate", str(ONPOLICY_RM_LEARNING_RATE), "--disable_progress_bar", *rm_args),
             out / "reward_model.log")
     return seconds
@@ -249,7 +252,8 @@ def main(argv=None) -> int:
                   f"gold scorer, the reward model trained further ({root / 'step2_onpolicy'})", flush=True)
             t0 = time.time()
             onpolicy_reward_model(root / "step1", root / "step2", root / "step2_onpolicy", args.onpolicy_samples,
-                                  max_prompts=args.onpolicy_max_prompts,
+                                  max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
+                                  ties=args.onpolicy_ties, epochs=args.onpolicy_epochs,
                                   rm_args=[a for arg in args.extra_args for a in arg.split("=", 1)])
             seconds["step2_onpolicy"] = time.time() - t0
         seconds[step] = run_step(step, args, root)

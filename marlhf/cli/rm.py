@@ -13,10 +13,10 @@ import sys
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
+from marlhf.models.export import export_hf
 from marlhf.models.loading import load_options, load_reward_model, run_tokenizer
 from marlhf.models.lora import apply_lora
 from marlhf.supervised import reward_objective, train
-from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
 
 

@@ -10,10 +10,10 @@ import sys
 from marlhf.config import SFTArgs, parse_args
 from marlhf.data.pipeline import build_phase_data
 from marlhf.errors import run_cli
+from marlhf.models.export import export_hf
 from marlhf.models.loading import load_causal_lm, load_options, run_tokenizer
 from marlhf.models.lora import apply_lora
 from marlhf.supervised import sft_objective, train
-from marlhf.utils.checkpoint import export_hf
 from marlhf.utils.run import setup_run
 
 

@@ -93,7 +93,7 @@ def policy_folder(path: str, model: str = "actor") -> str:
 
     if not path or not Path(path).expanduser().is_dir():
         return resolve_model_path(path)
-    from marlhf.utils.model_card import locate
+    from marlhf.models.card import locate
 
     src = locate(path, model)
     if src.adapter_only:
@@ -271,7 +271,7 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
 # ------------------------------------------------------------------------------------ the tools' flags
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.0) -> None:
     """The policy and sampling flags the generation tools share."""
-    from marlhf.utils.model_card import STEP3_MODELS
+    from marlhf.models.card import STEP3_MODELS
 
     p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
     p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")

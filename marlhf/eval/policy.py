@@ -11,7 +11,8 @@ from marlhf.data.pipeline import PromptCollator, ResumableSampler, make_loader
 from marlhf.generation import GenerationConfig, decode_samples, sample
 from marlhf.models.loading import stop_token_ids
 from marlhf.rewards import score_samples
-from marlhf.rlhf.rollout import logprob_temperature, policy_logprobs
+from marlhf.rlhf.rollout import policy_logprobs
+from marlhf.rlhf.sections import logprob_temperature
 from marlhf.utils import dist
 from marlhf.utils.optim_step import all_reduce_sum
 from marlhf.utils.rng import isolated_rng

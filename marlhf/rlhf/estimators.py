@@ -21,8 +21,9 @@ term (``kl_penalty="loss"``, GRPO's choice; :func:`kl_loss`). Its advantage A_i 
 of the response; macro actions compose through the policy ratio (``policy_ratio="macro"``: the ratio and
 its clipping are per macro action, :func:`marlhf.rlhf.ppo_math.policy_loss`).
 
-Which combinations with MA-PPO's options mean something is decided in one place,
-:func:`check_estimator_options`.
+The estimators as run components (registered by name, each told whether it needs a critic) are in
+:mod:`marlhf.rlhf.advantages`, which also decides in one place which combinations with MA-PPO's options mean
+something (:func:`marlhf.rlhf.advantages.check_estimator_options`).
 """
 
 from __future__ import annotations
@@ -31,17 +32,8 @@ import torch
 
 from marlhf.rlhf.macro import check_choice, check_mask
 
-ESTIMATORS = ("gae", "rloo", "grpo", "reinforce")
-CRITIC_FREE = ("rloo", "grpo", "reinforce")
-GROUP_ESTIMATORS = ("rloo", "grpo")  # need K ≥ 2 samples per prompt
 KL_PENALTIES = ("reward", "loss")
 GRPO_NORMALIZATIONS = ("std", "none")
-
-
-def needs_critic(estimator: str) -> bool:
-    """Only macro GAE learns a value function; the others build, load and save no critic."""
-    check_choice("advantage_estimator", estimator, ESTIMATORS)
-    return estimator == "gae"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -160,115 +152,3 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     d = torch.where(m, _float(ref_logprobs) - _float(logprobs), 0.0)  # (N, T)
     k3 = torch.expm1(d) - d  # (N, T) 0 on padding
     return k3.sum() / m.sum().clamp(min=1)
-
-
-@torch.no_grad()  # advantages weight the policy loss; never backpropagate into them
-def critic_free_advantages(
-    estimator: str,
-    scores: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    group_size: int,
-    kl_ctl: float,
-    clip_reward_value: float | None,
-    kl_penalty: str = "reward",
-    grpo_normalization: str = "std",
-    valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Scores (N,) and log-probs (N, T) of one rank's experience batch → token advantages (N, T), the
-    sequence returns (N,) and detached stats (adv_mean, adv_std, return_mean, zero_adv_frac: the share of
-    valid rows whose advantage is 0 (|A| < 1e-6), e.g. groups where every sample scored the same)."""
-    check_choice("advantage_estimator", estimator, CRITIC_FREE)
-    R = sequence_returns(scores, logprobs, ref_logprobs, mask, kl_ctl, clip_reward_value, kl_penalty)  # (N,)
-    if valid is None:
-        valid = torch.ones_like(R, dtype=torch.bool)
-    if estimator == "rloo":
-        A = rloo_advantages(R, group_size, valid)
-    elif estimator == "grpo":
-        A = grpo_advantages(R, group_size, valid, grpo_normalization)
-    elif estimator == "reinforce":
-        groups(R, group_size)  # the batch still holds whole groups (a K > 1 run reads them together)
-        A = reinforce_advantages(R, valid)
-    else:  # pragma: no cover - check_choice above
-        raise AssertionError(estimator)
-    v = valid.bool()
-    n = v.sum().clamp(min=1)
-    A_v = torch.where(v, A, 0.0)
-    mean = A_v.sum() / n
-    stats = {
-        "adv_mean": mean,
-        "adv_std": (torch.where(v, A - mean, 0.0).pow(2).sum() / n).sqrt(),
-        "return_mean": torch.where(v, R, 0.0).sum() / n,
-        "zero_adv_frac": ((A.abs() < 1e-6) & v).sum().double() / n,
-    }
-    return broadcast_to_tokens(A, mask), R, stats
-
-
-# --------------------------------------------------------------------------------------------------------
-# which option combinations are meaningful
-# --------------------------------------------------------------------------------------------------------
-def check_estimator_options(
-    *,
-    estimator: str,
-    num_samples_per_prompt: int,
-    kl_penalty: str,
-    grpo_normalization: str,
-    policy_ratio: str,
-    termination_changed: bool,
-    value_function: str,
-    macro_reward: str,
-    gamma: float,
-    lam_changed: bool,
-    whiten_advantages: bool,
-) -> None:
-    """Reject combinations of ``--advantage_estimator`` with MA-PPO's options that would do nothing or
-    something other than what they say. Raises :class:`marlhf.errors.ConfigError` naming the flags.
-
-    Meaningful:
-      gae        everything MA-PPO offers; K ≥ 1 samples per prompt; KL in the reward or as a loss term.
-      rloo/grpo  K ≥ 2; KL in the reward (RLOO paper) or as a loss (GRPO paper); --policy_ratio token (the
-                 standard methods) or macro: the response's advantage with the ratio and its clipping per
-                 macro action of any termination rule (n = ∞ gives one sequence-level ratio).
-      reinforce  as rloo, with K ≥ 1 (its baseline is the batch mean).
-    Rejected for the critic-free estimators (there is no critic and the response is one action):
-      --value_function other than equal (σ weights critic values), --macro_reward compat (it exists to keep
-      the RM score out of a σ-average of values), --gamma ≠ 1 and --lam (discounting/GAE between steps of a
-      response that is one step), a termination rule or n with --policy_ratio token (segments would be
-      computed and never used), --whiten_advantages with grpo (already normalised per group).
-    --grpo_normalization none is only meaningful with grpo.
-    """
-    from marlhf.errors import ConfigError
-
-    for name, value, valid in (("advantage_estimator", estimator, ESTIMATORS),
-                               ("kl_penalty", kl_penalty, KL_PENALTIES),
-                               ("grpo_normalization", grpo_normalization, GRPO_NORMALIZATIONS)):
-        if value not in valid:
-            raise ConfigError(f"--{name} {value!r} is not one of {', '.join(valid)}")
-    if num_samples_per_prompt < 1:
-        raise ConfigError(f"--num_samples_per_prompt must be >= 1, got {num_samples_per_prompt}")
-    if estimator in GROUP_ESTIMATORS and num_samples_per_prompt < 2:
-        raise ConfigError(f"--advantage_estimator {estimator} needs --num_samples_per_prompt >= 2 (a sample's "
-                          f"baseline comes from the other samples of its prompt), got {num_samples_per_prompt}")
-    if grpo_normalization != "std" and estimator != "grpo":
-        raise ConfigError(f"--grpo_normalization {grpo_normalization} only applies to --advantage_estimator grpo "
-                          f"(got {estimator})")
-    if estimator == "gae":
-        return
-    no_critic = f"--advantage_estimator {estimator} has no critic and treats the response as one action"
-    if value_function != "equal":
-        raise ConfigError(f"{no_critic}: --value_function {value_function} weights critic values inside a macro "
-                          f"action and would do nothing; drop it")
-    if macro_reward != "sum":
-        raise ConfigError(f"{no_critic}: --macro_reward {macro_reward} keeps the last token apart for a critic's "
-                          f"σ-average and would do nothing; drop it")
-    if gamma != 1.0 or lam_changed:
-        raise ConfigError(f"{no_critic}: --gamma/--lam discount between steps of a response; its return is the "
-                          f"undiscounted sum (use --advantage_estimator gae for GAE)")
-    if policy_ratio == "token" and termination_changed:
-        raise ConfigError(f"{no_critic}: --termination_condition/--ngram only enter through the macro-level ratio; "
-                          f"add --policy_ratio macro or drop them")
-    if whiten_advantages and estimator == "grpo":
-        raise ConfigError("--whiten_advantages with --advantage_estimator grpo: its advantages are already "
-                          "normalised per group; drop one")

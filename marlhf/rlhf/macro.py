@@ -20,7 +20,6 @@ import torch
 
 SIGMAS = ("equal", "unit", "position")
 REWARD_MODES = ("sum", "compat")
-RULES = ("fixed", "randomized", "ppl", "word")
 
 
 class MacroBatch(NamedTuple):
@@ -369,40 +368,3 @@ def macro_rewards(
         x = x * token_weights(seg, sigma, macros.lengths)  # (B, T)
     M = macros.lengths.shape[1]
     return segment_sum(x, seg, M).to(_acc_dtype(rewards)), macros.macro_mask  # (B, M), (B, M)
-
-
-def segments_for_rule(
-    rule: str,
-    mask: torch.Tensor,
-    *,
-    ngram: float | None = None,
-    lengths: tuple[int, ...] = (2, 3, 5, 10),
-    repeat_times: int = 3,
-    generator: torch.Generator | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    ppl_max_len: int | None = None,
-    input_ids: torch.Tensor | None = None,
-    word_start_table: torch.Tensor | None = None,
-    split_last: bool = False,
-) -> torch.Tensor:
-    """Dispatch ``--termination_condition`` to a rule and return seg (B, T); unknown rules raise.
-
-    ``split_last`` adds the compatibility split of the last token (see :func:`split_last_token`).
-    The parsing rule produces its own ``starts`` (it needs a parser) and calls segments_from_starts.
-    """
-    check_choice("termination_condition", rule, RULES)
-    if rule == "fixed":
-        starts = fixed_starts(mask, ngram)
-    elif rule == "randomized":
-        starts = randomized_starts(mask, lengths, repeat_times, generator)
-    elif rule == "ppl":
-        if ref_logprobs is None:
-            raise ValueError("termination_condition='ppl' needs ref_logprobs (B, T)")
-        starts = ppl_starts(mask, ref_logprobs, ppl_max_len)
-    else:
-        if input_ids is None or word_start_table is None:
-            raise ValueError("termination_condition='word' needs input_ids (B, T) and word_start_table (V,)")
-        starts = word_starts(mask, input_ids, word_start_table)
-    if split_last:
-        starts = split_last_token(starts, mask)
-    return segments_from_starts(starts, mask)

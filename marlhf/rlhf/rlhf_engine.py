@@ -29,9 +29,9 @@ from marlhf.models.loading import (
     zero3_init_config,
 )
 from marlhf.models.lora import apply_lora
-from marlhf.rlhf.estimators import needs_critic
+from marlhf.rlhf.advantages import estimator_class
 from marlhf.utils import dist
-from marlhf.utils.ds_engine import engine_from_args, frozen_engine
+from marlhf.utils.ds_engine import engine_from_section, frozen_engine
 
 log = logging.getLogger("marlhf")
 
@@ -200,8 +200,8 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
         if lora_dim > 0:
             actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
                                args.only_optimize_lora)
-        actor = engine_from_args(actor, args, actor_total, mb, role="actor",
-                                 extra_config={**(hybrid or {}), **(mp_lora or {})})
+        actor = engine_from_section(actor, args.engine("actor"), actor_total, mb,
+                                    extra_config={**(hybrid or {}), **(mp_lora or {})})
     except (ValueError, RuntimeError, NotImplementedError) as err:
         if not gpu_only:
             raise
@@ -224,13 +224,13 @@ def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
     # critic: the reward model as initial value function, trained (macro GAE only); its score head only, not a
     # likelihood term the reward model may have (values are read from where no answer has started)
     critic = None
-    if needs_critic(args.advantage_estimator):
+    if estimator_class(args.advantage_estimator).needs_critic:
         critic = load_value_model(critic_path, tokenizer, args.critic_dropout,
                                   **load_options(args, args.critic_zero_stage))
         if args.critic_lora_dim > 0:
             critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
                                 task="SEQ_CLS")
-        critic = engine_from_args(critic, args, critic_total, mb, role="critic")
+        critic = engine_from_section(critic, args.engine("critic"), critic_total, mb)
     # reward: frozen scorer (only when the reward source is the reward model)
     reward = None
     if reward_path is not None:

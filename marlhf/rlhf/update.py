@@ -10,44 +10,18 @@ optimizer step is a token mean over all its micro-batches on all ranks is :mod:`
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from marlhf.rlhf.estimators import kl_loss
 from marlhf.rlhf.ppo_math import policy_loss, value_loss
-from marlhf.rlhf.rollout import Experience, critic_values, logprob_temperature, policy_logprobs
+from marlhf.rlhf.rollout import Experience, critic_values, policy_logprobs
+from marlhf.rlhf.sections import UpdateSection
 from marlhf.utils.optim_step import StepGuard, loss_multipliers
 from marlhf.utils.timing import NO_TIMER
 
 
-@dataclass(frozen=True)
-class UpdateSettings:
-    """The step-3 flags the update reads."""
-
-    ppo_epochs: int = 1
-    micro_batch: int = 8  # --per_device_training_batch_size
-    gradient_accumulation_steps: int = 1
-    loss_aggregation: str = "token_mean"
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    policy_ratio: str = "token"
-    unsup_coef: float = 27.8
-    kl_penalty: str = "reward"  # "loss": + kl_ctl · k3 KL in the policy loss
-    kl_ctl: float = 0.1
-    logprob_temperature: float = 1.0  # π = softmax(logits / T), as π_old was (rollout.logprob_temperature)
-
-    @classmethod
-    def from_args(cls, args) -> UpdateSettings:
-        return cls(ppo_epochs=args.ppo_epochs, micro_batch=args.per_device_training_batch_size,
-                   gradient_accumulation_steps=args.gradient_accumulation_steps,
-                   loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
-                   cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
-                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl,
-                   logprob_temperature=logprob_temperature(args))
-
-
-def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSettings,
+def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSection,
                ptx_batches: Iterator[dict] | None = None, timer=NO_TIMER) -> dict:
     """``ppo_epochs`` passes over the experience in micro-batches of ``micro_batch``; mean statistics.
 

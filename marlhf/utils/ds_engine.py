@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,6 +12,9 @@ from torch import nn
 from marlhf.utils import dist
 from marlhf.utils.ds_config import eval_config, train_config
 from marlhf.utils.optim_step import guard_optimizer
+
+if TYPE_CHECKING:  # the flags' section type only; utils/ does not import the config at run time
+    from marlhf.config import EngineSection
 
 log = logging.getLogger("marlhf")
 
@@ -79,21 +83,20 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
     return engine
 
 
-def engine_from_args(model: nn.Module, args, total_steps: int, micro_batch: int, role: str = "",
-                     extra_config: dict | None = None):
-    """A training engine configured by the flags of ``role``: "" reads --learning_rate, --zero_stage, ...
-    (steps 1-2); "actor" / "critic" read --actor_learning_rate, --actor_zero_stage, ... (step 3)."""
-    p = f"{role}_" if role else ""
-    lr = getattr(args, p + "learning_rate")
+def engine_from_section(model: nn.Module, section: EngineSection, total_steps: int, micro_batch: int,
+                        extra_config: dict | None = None):
+    """A training engine for ``model`` as its section says (``args.engine()`` of steps 1-2, ``args.engine("actor")``
+    / ``args.engine("critic")`` of step 3); no learning rate: the default of its stage for the model's size."""
+    lr = section.learning_rate
     if lr is None:
         n_params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
-        lr = default_learning_rate(_stage(args, role), n_params)
-    return train_engine(model, lr=lr, weight_decay=getattr(args, p + "weight_decay"),
-                        lora_lr=args.lora_learning_rate, micro_batch=micro_batch,
-                        grad_accum=args.gradient_accumulation_steps, zero_stage=getattr(args, p + "zero_stage"),
-                        offload=args.offload, dtype=args.dtype, scheduler=args.lr_scheduler_type,
-                        warmup=warmup_steps(total_steps, args.num_warmup_steps, args.warmup_ratio),
-                        total_steps=total_steps, gradient_checkpointing=getattr(args, p + "gradient_checkpointing"),
+        lr = default_learning_rate(section.stage, n_params)
+    return train_engine(model, lr=lr, weight_decay=section.weight_decay, lora_lr=section.lora_learning_rate,
+                        micro_batch=micro_batch, grad_accum=section.gradient_accumulation_steps,
+                        zero_stage=section.zero_stage, offload=section.offload, dtype=section.dtype,
+                        scheduler=section.lr_scheduler_type,
+                        warmup=warmup_steps(total_steps, section.num_warmup_steps, section.warmup_ratio),
+                        total_steps=total_steps, gradient_checkpointing=section.gradient_checkpointing,
                         extra_config=extra_config)
 
 
@@ -122,16 +125,6 @@ def default_learning_rate(stage: str, num_params: int) -> float:
         lr, why = rates[stage], f"the paper's Table 5 value for {size} parameters"
     log.info("%s learning rate %g: no learning rate given, %.1fM parameters -> %s", stage, lr, num_params / 1e6, why)
     return lr
-
-
-def _stage(args, role: str) -> str:
-    if role:
-        return role
-    from marlhf.config import DPOArgs, RewardArgs
-
-    if isinstance(args, DPOArgs):
-        return "dpo"
-    return "reward" if isinstance(args, RewardArgs) else "sft"
 
 
 def _merge(config: dict, extra: dict) -> None:

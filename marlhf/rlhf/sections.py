@@ -1,0 +1,105 @@
+"""The step-3 settings in sections: what each part of MA-PPO reads, built once from the flat flags.
+
+The command line stays flat (DeepSpeed-Chat's flag names, :class:`marlhf.config.RLHFArgs`, where every default
+is declared once); the recipe (:class:`marlhf.rlhf.trainer.MAPPOTrainer`) cuts it into these frozen sections
+and hands each part its own — the termination rule the ``macro`` section, the rollout and its advantage
+estimator the ``rollout`` section, the PPO update the ``update`` section.  The sections have no defaults of
+their own: a field missing from the flags is an error here, not a second default that can disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def logprob_temperature(args) -> float:
+    """T of the policy distribution π = softmax(logits / T) that π_old, π, π_ref and the KL are computed from
+    (``--logprob_temperature``): 1 (raw logits: DeepSpeed-Chat and the MA-RLHF code, the default) or
+    ``sampling``: the sampling ``--temperature`` (TRL and OpenRLHF), so that π_old is the temperature-scaled
+    distribution the answers were drawn from (top-k / top-p truncation is not applied: a token outside the
+    truncated set would get log π = -inf)."""
+    choice = str(getattr(args, "logprob_temperature", "1"))
+    if choice == "sampling":
+        return float(args.temperature)
+    if choice in ("1", "1.0"):
+        return 1.0
+    raise ValueError(f"--logprob_temperature must be '1' or 'sampling', got {choice!r}")
+
+
+@dataclass(frozen=True)
+class MacroSection:
+    """Where macro actions end (paper §3.2.1): what every termination rule may read."""
+
+    termination_condition: str
+    ngram: int | None  # the fixed rule's n; None = one macro action per answer
+    repeat_times: int  # randomized rule
+    parser_backend: str  # parsing rule
+    parser_cutoff: int
+    parser_model: str
+    response_kind: str  # text | code
+    split_last: bool  # the released code's split of the last token (--macro_reward compat)
+
+    @classmethod
+    def from_args(cls, args) -> MacroSection:
+        return cls(termination_condition=args.termination_condition, ngram=args.ngram_n,
+                   repeat_times=args.repeat_times, parser_backend=args.parser_backend,
+                   parser_cutoff=args.parser_cutoff, parser_model=args.parser_model,
+                   response_kind=args.response_kind, split_last=args.macro_reward == "compat")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Reward shaping and the advantage estimate of a rollout (and how ZeRO-3 generates)."""
+
+    kl_ctl: float
+    clip_reward_value: float | None
+    value_function: str
+    macro_reward: str
+    gamma: float
+    lam: float
+    whiten_advantages: bool
+    zero3_generation: str
+    advantage_estimator: str
+    num_samples_per_prompt: int  # K
+    kl_penalty: str
+    grpo_normalization: str
+    logprob_temperature: float  # T of π = softmax(logits / T) for π_old and π_ref
+
+    @classmethod
+    def from_args(cls, args) -> RolloutSection:
+        return cls(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value,
+                   value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
+                   lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
+                   advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
+                   kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
+                   logprob_temperature=logprob_temperature(args))
+
+    @property
+    def reward_kl_ctl(self) -> float:
+        """β of the per-token KL penalty in the reward: 0 when the KL is a loss term instead."""
+        return self.kl_ctl if self.kl_penalty == "reward" else 0.0
+
+
+@dataclass(frozen=True)
+class UpdateSection:
+    """The PPO update: epochs over the experience, micro-batches, clipping, the losses' extra terms."""
+
+    ppo_epochs: int
+    micro_batch: int  # --per_device_training_batch_size
+    gradient_accumulation_steps: int
+    loss_aggregation: str
+    cliprange: float
+    cliprange_value: float
+    policy_ratio: str
+    unsup_coef: float
+    kl_penalty: str  # "loss": + kl_ctl · k3 KL in the policy loss
+    kl_ctl: float
+    logprob_temperature: float  # π = softmax(logits / T), as π_old was
+
+    @classmethod
+    def from_args(cls, args) -> UpdateSection:
+        return cls(ppo_epochs=args.ppo_epochs, micro_batch=args.per_device_training_batch_size,
+                   gradient_accumulation_steps=args.gradient_accumulation_steps,
+                   loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
+                   cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
+                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl, logprob_temperature=logprob_temperature(args))

@@ -1,0 +1,107 @@
+"""The package's import structure, read from its source: no import circles, and no module importing a layer above
+its own — foundation (errors, utils) < data and models < algorithms and evaluation < entry points (cli).
+Imports under ``if TYPE_CHECKING:`` (annotations only) do not count."""
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+ROOT = REPO / "marlhf"
+LAYERS = (  # (layer, the modules in it: a package prefix or a module)
+    (0, ("marlhf.errors", "marlhf.utils")),
+    (1, ("marlhf.data", "marlhf.models", "marlhf.code", "marlhf.generation", "marlhf.embedded")),
+    (3, ("marlhf.cli", "marlhf.__main__")),
+)  # everything else (rlhf, rewards, supervised, dpo, eval, config, ...) is layer 2
+
+
+def layer(module: str) -> int:
+    for number, prefixes in LAYERS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return number
+    return 3 if module == "marlhf" else 2
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the marlhf modules it imports (the named submodule where one is named)."""
+    graph = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        package = path.name == "__init__.py"
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".") if package else name.split(".")[:-1]
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                subs = {f"{base}.{a.name}" for a in node.names} & mods.keys()
+                found |= subs or ({base} & mods.keys())
+        graph[name] = found - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_analysis_finds_a_circle_and_an_upward_import():
+    graph = {"marlhf.utils.a": {"marlhf.data.b"}, "marlhf.data.b": {"marlhf.utils.a"}, "marlhf.cli.c": set()}
+    assert cycles(graph) == [["marlhf.data.b", "marlhf.utils.a"]]
+    assert layer("marlhf.utils.a") < layer("marlhf.data.b") < layer("marlhf.rlhf.x") < layer("marlhf.cli.c")
+    real = imports(modules())  # the reader sees absolute, relative, submodule and function-local imports
+    assert {"marlhf.rlhf.rollout", "marlhf.rlhf.advantages"} <= real["marlhf.rlhf.trainer"]
+    assert "marlhf.rlhf.advantages" in real["marlhf.config"]  # imported inside a method
+    assert "marlhf.config" not in real["marlhf.utils.ds_engine"]  # only under TYPE_CHECKING
+
+
+def test_no_import_circles():
+    assert cycles(imports(modules())) == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = imports(modules())
+    upward = sorted((m, t) for m, targets in graph.items() for t in targets if layer(t) > layer(m))
+    assert upward == []

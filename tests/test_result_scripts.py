@@ -1,0 +1,100 @@
+"""The issue-28 result scripts' arithmetic, against hand computations: scripts/frontier.py (points of a run,
+seeds aggregated point by point, the gold peak, gold at a √KL budget, the report) and scripts/main_job_seeds.py
+(a seed's row, the table and the means over seeds)."""
+
+import importlib.util
+import json
+import math
+
+import pytest
+from conftest import REPO
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+frontier = load("frontier")
+seeds_script = load("main_job_seeds")
+
+
+def policy(gold, rm, kl, **extra):
+    return {"gold_score": gold, "rm_score": rm, "kl": kl, "gold_invented": 0.5, "gold_repeated": 0.0, "eos_rate": 1.0,
+            "gold_score_se": 0.02, "num_prompts": 256.0, "gold_coverage": 0.8, **extra}
+
+
+def write_run(folder, evals, final):
+    """A step-3 output: initial policy, eval/* records every few steps among train/* ones, final policy."""
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"step": 1, "train/reward": 0.1})]
+    for step, (gold, rm, kl) in evals.items():
+        lines.append(json.dumps({"step": step, "train/reward": 0.2}))
+        lines.append(json.dumps({"step": step, **{f"eval/{k}": v for k, v in policy(gold, rm, kl).items()}}))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"steps": final[0], "initial_policy": policy(0.5, -8.0, 0.0),
+                                                     "final_policy": policy(*final[1:])}))
+
+
+def test_frontier_points_aggregate_peak_and_budget(tmp_path):
+    write_run(tmp_path / "a", {10: (0.60, -7.0, 1.0), 20: (0.62, -6.0, 4.0)}, (30, 0.55, -5.0, 9.0))
+    write_run(tmp_path / "b", {10: (0.64, -7.5, 1.0), 20: (0.58, -6.5, 4.0)}, (30, 0.57, -5.5, 9.0))
+    a, b = frontier.run_points(tmp_path / "a"), frontier.run_points(tmp_path / "b")
+    assert [p["step"] for p in a] == [0, 10, 20, 30]  # the train/* records are not points
+    assert [p["gold_score"] for p in a] == [0.5, 0.60, 0.62, 0.55]
+    rows = frontier.aggregate([a, b])
+    assert [r["sqrt_kl"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert rows[1]["gold_score"] == pytest.approx(0.62) and rows[2]["gold_score"] == pytest.approx(0.60)
+    # standard error over the two seeds: |x1 - x2| / 2
+    assert rows[1]["gold_score_se"] == pytest.approx(0.02) and rows[3]["rm_score_se"] == pytest.approx(0.25)
+    top = frontier.peak(rows)
+    assert (top["step"], top["gold_score"]) == (10, pytest.approx(0.62))
+    # gold at √KL 1.5: halfway between the evaluations at √KL 1 (0.62) and 2 (0.60)
+    assert frontier.gold_at_kl(rows, 1.5) == pytest.approx(0.61)
+    assert frontier.gold_at_kl(rows, 0.5) == pytest.approx(0.56)
+    assert frontier.gold_at_kl(rows, 3.5) is None  # never got that far
+    assert frontier.sqrt_kl(-0.01) == 0.0
+    text = frontier.write_report({"PPO (n = 1)": rows}, {"machine": "test CPU", "reward_model": "step2", "steps": 30,
+                                                         "kl_ctl": 0.1, "eval_interval": 10, "eval_prompts": 256,
+                                                         "seeds": [1, 2], "command": "python scripts/frontier.py"},
+                                 tmp_path / "frontier.md")
+    assert "| PPO (n = 1) | 0.620 ± 0.020 | 10 | 1.00 | 0.560 ± 0.010 | 3.00 | -5.25 |" in text
+    assert (tmp_path / "frontier.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="different steps"):
+        frontier.aggregate([a, a[:-1]])
+
+
+def write_seed(folder, sft_gold, rl_gold, oracle_gold=None):
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({
+        "seconds": {"step1": 160.0, "step2": 60.0, "step2_onpolicy": 200.0, "step3": 100.0},
+        "step2_final_accuracy": 0.88, "step2_onpolicy_accuracy_before": 0.66, "step2_onpolicy_accuracy": 0.75,
+        "initial_policy": policy(sft_gold, -8.0, 0.0), "final_policy": policy(rl_gold, -7.0, 1.5)}))
+    if oracle_gold is not None:
+        (folder / "step3_oracle").mkdir()
+        (folder / "step3_oracle/summary.json").write_text(json.dumps({"final_policy": policy(oracle_gold, -7.5, 2.0)}))
+        (folder / "step3_oracle/args.json").write_text(json.dumps({"kl_ctl": 0.05}))
+
+
+def test_main_job_table_and_means(tmp_path):
+    write_seed(tmp_path / "seed1", 0.50, 0.58, 0.66)
+    write_seed(tmp_path / "seed2", 0.54, 0.60, 0.64)
+    rows = {s: seeds_script.seed_row(tmp_path / f"seed{s}") for s in (1, 2)}
+    assert rows[1]["total_seconds"] == 520.0 and rows[1]["prompts"] == 256
+    agg = seeds_script.aggregate(rows)
+    assert agg["gain over SFT"][0] == pytest.approx(0.07) and agg["gain over SFT"][1] == pytest.approx(0.01)
+    assert agg["SFT gold spread (max - min)"][0] == pytest.approx(0.04)
+    assert agg["oracle gain over SFT"][0] == pytest.approx(0.13)
+    assert agg["main job minutes"][0] == pytest.approx(520 / 60)
+    text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
+    assert "| 1 | 0.500 ± 0.020 | 0.580 ± 0.020 | +0.080 | 0.660 ± 0.020 | 0.500 → 0.500 |" in text
+    assert "| gain over SFT | 0.070 ± 0.010 |" in text
+    assert math.isnan(seeds_script.mean_se([1.0])[1])
+    assert rows[1]["oracle_kl_ctl"] == 0.05
+    # the oracle's beta: the main job's times the gold score's spread over the reward model's (ratio of the SEs)
+    summary = json.loads((tmp_path / "seed1/summary.json").read_text())
+    summary["initial_policy"].update(gold_score_se=0.02, rm_score_se=0.25)
+    (tmp_path / "seed1/summary.json").write_text(json.dumps(summary))
+    assert seeds_script.oracle_kl_ctl(tmp_path / "seed1", 0.5) == pytest.approx(0.04)
