@@ -39,7 +39,8 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     label = json.loads((onpolicy / "pairs/label.json").read_text())
     assert label["settings"]["annotator"] == "gold" and label["settings"]["pairing"] == "all"
     counts = label["counts"]
-    assert counts["pairs"] + counts["identical_dropped"] + counts["ties_dropped"] == 24 * 6 and counts["pairs"] > 24
+    assert counts["pairs"] + counts["identical_dropped"] + counts["empty_dropped"] + counts["ties_dropped"] == 24 * 6
+    assert counts["pairs"] > 24
     pairs = [json.loads(line) for name in ("train.jsonl", "test.jsonl")
              for line in (onpolicy / "pairs" / name).read_text().splitlines()]
     assert all(p["meta"]["annotator_scores"][0] != p["meta"]["annotator_scores"][1] for p in pairs)

@@ -114,6 +114,15 @@ def test_all_pairs_of_k_answers_and_dropped_ties():
         label_pairs({"p": answers}, scorer, 0.0, seed=0, ties="coin")
 
 
+def test_pairs_with_an_empty_answer_are_dropped_and_counted():
+    """A policy answer that is only the end token decodes to "" (or blanks): no record can hold it."""
+    answers = [Answer("p", k, "P", text, True) for k, text in enumerate(["a", "", "b", "  "])]
+    pairs, counts = label_pairs({"p": answers}, lambda p, r, e: [float(len(x)) for x in r], 0.0, seed=0,
+                                pairing="all")
+    assert [(p["chosen"], p["rejected"]) in (("a", "b"), ("b", "a")) for p in pairs] == [True]
+    assert counts["empty_dropped"] == 5 and counts["identical_dropped"] == 0
+
+
 def test_annotator_errors_are_caught():
     groups, table = groups_of([0.1], 2)
     with pytest.raises(ValueError, match="non-finite"):

@@ -12,7 +12,7 @@ from conftest import REPO
 
 SOURCES = ["marlhf", "training", "scripts", "tests", "setup.py"]
 # the project's own top-level modules (and the tests' helpers beside them)
-LOCAL = {"marlhf"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # the tests' own helper modules
+LOCAL = {"marlhf", "lab"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # helpers: the tests' own, scripts/lab
 
 
 def declared() -> set[str]:

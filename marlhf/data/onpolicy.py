@@ -18,7 +18,8 @@ pair (a, b) is labelled a ≻ b with the Bradley–Terry probability
 
 drawn from a generator seeded by (seed, prompt id, pair index), so the labels are the same for a seed
 whatever order or batch size the rows are scored in.  Pairs of identical answers carry no preference and are
-dropped (counted); so are pairs the annotator scores equal with ``ties="drop"`` (an annotator's "about the
+dropped (counted), as are pairs with an empty answer (no text to train on); so are pairs the annotator scores
+equal with ``ties="drop"`` (an annotator's "about the
 same", which labelled by a coin teaches the reward model noise).  The result is a folder of ``train.jsonl`` /
 ``test.jsonl`` (a seeded held-out share of the prompts) with ``prompt`` / ``chosen`` / ``rejected`` rows that
 ``--data_path`` reads as any local dataset, and ``label.json`` with the settings and counts.
@@ -122,12 +123,15 @@ def label_pairs(groups: dict[str, list[Answer]], scorer: Scorer, tau: float, see
         raise ConfigError(f"the annotator returned {len(scores)} scores for {len(answers)} answers, or a "
                           f"non-finite one")
     score_of = {(a.prompt_id, a.sample): s for a, s in zip(answers, scores)}
-    pairs, identical, flipped, ties_seen = [], 0, 0, 0
+    pairs, identical, empty, flipped, ties_seen = [], 0, 0, 0, 0
     for pid, group in groups.items():
         for k, (i, j) in enumerate(answer_pairs(len(group), pairing)):
             a, b = group[i], group[j]
             if a.response == b.response:
                 identical += 1
+                continue
+            if not a.response.strip() or not b.response.strip():  # no text to train a reward model on
+                empty += 1
                 continue
             ga, gb = score_of[(pid, a.sample)], score_of[(pid, b.sample)]
             ties_seen += ga == gb
@@ -141,7 +145,7 @@ def label_pairs(groups: dict[str, list[Answer]], scorer: Scorer, tau: float, see
             pairs.append({"prompt": a.prompt, "chosen": chosen.response, "rejected": rejected.response,
                           "meta": {"prompt_id": pid, "pair": k, "annotator_scores": [g_chosen, g_rejected],
                                    "p_chosen": p if a_wins else 1 - p}})
-    counts = {"answers": len(answers), "pairs": len(pairs), "identical_dropped": identical,
+    counts = {"answers": len(answers), "pairs": len(pairs), "identical_dropped": identical, "empty_dropped": empty,
               "against_annotator_order": flipped, "annotator_ties": ties_seen,
               "ties_dropped": ties_seen if ties == "drop" else 0}
     return pairs, counts
