@@ -59,8 +59,9 @@ def test_frontier_points_aggregate_peak_and_budget(tmp_path):
     text = frontier.write_report({"PPO (n = 1)": rows}, {"machine": "test CPU", "reward_model": "step2", "steps": 30,
                                                          "kl_ctl": 0.1, "eval_interval": 10, "eval_prompts": 256,
                                                          "seeds": [1, 2], "command": "python scripts/frontier.py"},
-                                 tmp_path / "frontier.md")
+                                 tmp_path / "frontier.md", per_seed={"PPO (n = 1)": [a, b]})
     assert "| PPO (n = 1) | 0.620 ± 0.020 | 10 | 1.00 | 0.560 ± 0.010 | 3.00 | -5.25 |" in text
+    assert "| PPO (n = 1) | 1 | 0.550 | 3.00 | -5.00 | 1.00 |" in text  # each seed's final policy
     assert (tmp_path / "frontier.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="different steps"):
         frontier.aggregate([a, a[:-1]])
