@@ -20,8 +20,9 @@ import argparse
 import json
 import math
 import os
-import statistics
 from pathlib import Path
+
+from lab.summary import machine, mean_se
 
 from marlhf.cli.quickstart import marlhf_cmd, run_logged
 
@@ -48,12 +49,6 @@ def run_points(run: Path) -> list[dict]:
 def sqrt_kl(kl: float) -> float:
     """√KL, the x axis; a Monte-Carlo KL estimate a hair below 0 (the SFT policy itself) counts as 0."""
     return math.sqrt(max(kl, 0.0))
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error (sample standard deviation / √n; nan for one value)."""
-    m = statistics.fmean(values)
-    return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
 def aggregate(runs: list[list[dict]]) -> list[dict]:
@@ -164,13 +159,6 @@ def write_report(curves: dict[str, list[dict]], settings: dict, path: Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return text
-
-
-def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-             if line.startswith("model name")]
-    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores"
 
 
 def main(argv=None) -> int:

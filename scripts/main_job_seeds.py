@@ -18,23 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from lab.summary import machine, mean_se
+
 from marlhf.cli.quickstart import marlhf_cmd, run_logged
 
 DATA_SEED = 1234  # the phase split and the held-out prompts: the same for every seed
 KEYS = ("gold_score", "gold_invented", "gold_repeated", "gold_coverage", "eos_rate", "rm_score", "kl")
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    m = statistics.fmean(values)
-    return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
 def seed_row(folder: Path) -> dict:
@@ -111,13 +106,6 @@ def aggregate(rows: dict) -> dict:
     out["RM accuracy on policy pairs"] = mean_se([r["rm_accuracy_policy"] for r in seeds])
     out["main job minutes"] = mean_se([r["total_seconds"] / 60 for r in seeds])
     return out
-
-
-def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-             if line.startswith("model name")]
-    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores"
 
 
 def main(argv=None) -> int:

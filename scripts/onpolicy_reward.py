@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
+
+from lab.summary import machine, mean_se
 
 from marlhf.cli.quickstart import ONPOLICY_TAU, marlhf_cmd, onpolicy_reward_model, run_logged
 
@@ -46,13 +47,6 @@ def pair_accuracy(pairs: Path, scores: Path) -> dict:
     out["gold separated"] = {"accuracy": sum(separated) / len(separated), "pairs": len(separated)}
     out["all pairs"] = {"accuracy": sum(buckets["tie"] + separated) / len(rows), "pairs": len(rows)}
     return out
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    m = sum(values) / len(values)
-    if len(values) < 2:
-        return m, float("nan")
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
 def main(argv=None) -> int:
@@ -112,17 +106,6 @@ def main(argv=None) -> int:
     write_markdown(report, Path(args.report))
     print(Path(args.report).read_text())
     return 0
-
-
-def machine() -> str:
-    """The CPU's model name and core count (the runs' speed depends on it; the numbers do not)."""
-    import platform
-
-    name = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-              if line.startswith("model name")]
-    return f"{models[0] if models else name}, {os.cpu_count()} cores"
 
 
 def write_markdown(report: dict, path: Path) -> None:

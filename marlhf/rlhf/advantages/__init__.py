@@ -16,8 +16,6 @@ Adding an estimator: a new module here with an :class:`AdvantageEstimator` subcl
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,6 +24,7 @@ import torch
 from marlhf.rlhf.estimators import GRPO_NORMALIZATIONS, KL_PENALTIES, broadcast_to_tokens, sequence_returns
 from marlhf.rlhf.macro import num_macros
 from marlhf.rlhf.ppo_math import whiten
+from marlhf.rlhf.registry import Registry
 from marlhf.rlhf.sections import RolloutSection
 
 
@@ -91,31 +90,9 @@ class SequenceEstimator(AdvantageEstimator):
         return advantages, torch.where(mask, R[:, None], 0.0), stats
 
 
-ESTIMATORS: dict[str, type[AdvantageEstimator]] = {}
-
-
-def register(name: str):
-    """Class decorator: make ``name`` a value of ``--advantage_estimator``."""
-
-    def add(cls: type[AdvantageEstimator]) -> type[AdvantageEstimator]:
-        if cls.__module__.rsplit(".", 1)[-1] != name:  # the command line lists the modules' names
-            raise ValueError(f"advantage estimator {name!r} must live in a module of that name, not {cls.__module__}")
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} registered twice")
-        cls.name = name
-        ESTIMATORS[name] = cls
-        return cls
-
-    return add
-
-
-def estimator_class(name: str) -> type[AdvantageEstimator]:
-    if name not in ESTIMATORS and name in _module_names():  # a module added since this package was imported
-        importlib.import_module(f"{__name__}.{name}")
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"advantage_estimator={name!r} is not valid; choose one of {', '.join(ESTIMATORS)}") from None
+ESTIMATORS = Registry(__name__, "advantage estimator", "advantage_estimator")
+register = ESTIMATORS.register
+estimator_class = ESTIMATORS.lookup
 
 
 def build_estimator(settings: RolloutSection) -> AdvantageEstimator:
@@ -155,7 +132,7 @@ def check_estimator_options(
     """
     from marlhf.errors import ConfigError
 
-    if estimator not in ESTIMATORS and estimator in _module_names():  # added since this package was imported
+    if estimator not in ESTIMATORS and estimator in ESTIMATORS.module_names():  # added since the package's import
         estimator_class(estimator)
     for name, value, valid in (("advantage_estimator", estimator, tuple(ESTIMATORS)),
                                ("kl_penalty", kl_penalty, KL_PENALTIES),
@@ -191,9 +168,4 @@ def check_estimator_options(
                           "normalised per group; drop one")
 
 
-def _module_names() -> list[str]:
-    return [m.name for m in pkgutil.iter_modules(__path__)]
-
-
-for _name in _module_names():  # every estimator module registers itself
-    importlib.import_module(f"{__name__}.{_name}")
+ESTIMATORS.discover()  # every estimator module registers itself

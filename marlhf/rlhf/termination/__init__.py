@@ -16,13 +16,12 @@ registered name.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from marlhf.rlhf.registry import Registry
 from marlhf.rlhf.sections import MacroSection
 
 
@@ -51,40 +50,13 @@ class TerminationRule:
         raise NotImplementedError
 
 
-RULES: dict[str, type[TerminationRule]] = {}
-
-
-def register(name: str):
-    """Class decorator: make ``name`` a value of ``--termination_condition``."""
-
-    def add(cls: type[TerminationRule]) -> type[TerminationRule]:
-        if cls.__module__.rsplit(".", 1)[-1] != name:  # the command line lists the modules' names
-            raise ValueError(f"termination rule {name!r} must live in a module of that name, not {cls.__module__}")
-        if name in RULES:
-            raise ValueError(f"termination rule {name!r} registered twice ({RULES[name].__module__}, {cls.__module__})")
-        cls.name = name
-        RULES[name] = cls
-        return cls
-
-    return add
+RULES = Registry(__name__, "termination rule", "termination_condition")
+register = RULES.register
 
 
 def build_rule(section: MacroSection, tokenizer=None) -> TerminationRule:
     """The rule ``section.termination_condition`` names, built once for a run."""
-    name = section.termination_condition
-    if name not in RULES and name in _module_names():  # a module added since this package was imported
-        importlib.import_module(f"{__name__}.{name}")
-    try:
-        cls = RULES[name]
-    except KeyError:
-        raise ValueError(f"termination_condition={section.termination_condition!r} is not valid; choose one of "
-                         f"{', '.join(RULES)}") from None
-    return cls(section, tokenizer)
+    return RULES.lookup(section.termination_condition)(section, tokenizer)
 
 
-def _module_names() -> list[str]:
-    return [m.name for m in pkgutil.iter_modules(__path__)]
-
-
-for _name in _module_names():  # every rule module registers itself
-    importlib.import_module(f"{__name__}.{_name}")
+RULES.discover()  # every rule module registers itself
