@@ -21,13 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from lab.rules import segments_for_rule  # noqa: E402
+
 from marlhf.rlhf.macro import (  # noqa: E402
     fixed_starts,
     macro_lengths,
     macro_rewards,
     macro_values,
     ppl_starts,
-    segments_for_rule,
     segments_from_starts,
     split_last_token,
     to_tokens,

@@ -1,58 +1,10 @@
-"""Test-side dispatch over the termination rules' tensor functions (marlhf/rlhf/macro.py): the maths tests name a
-rule and its inputs in one call.  Production code builds a rule component instead (marlhf/rlhf/termination)."""
+"""Helpers of the maths tests: the rules' dispatcher by name (scripts/lab/rules.py, shared with the macro benchmark)
+and the critic-free estimator components called on one batch."""
 
 from __future__ import annotations
 
 import torch
-
-from marlhf.rlhf.macro import (
-    fixed_starts,
-    ppl_starts,
-    randomized_starts,
-    segments_from_starts,
-    split_last_token,
-    word_starts,
-)
-
-RULES = ("fixed", "randomized", "ppl", "word")
-
-
-def segments_for_rule(
-    rule: str,
-    mask: torch.Tensor,
-    *,
-    ngram: float | None = None,
-    lengths: tuple[int, ...] = (2, 3, 5, 10),
-    repeat_times: int = 3,
-    generator: torch.Generator | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    ppl_max_len: int | None = None,
-    input_ids: torch.Tensor | None = None,
-    word_start_table: torch.Tensor | None = None,
-    split_last: bool = False,
-) -> torch.Tensor:
-    """Dispatch ``--termination_condition`` to a rule and return seg (B, T); unknown rules raise.
-
-    ``split_last`` adds the compatibility split of the last token (see :func:`split_last_token`).
-    The parsing rule produces its own ``starts`` (it needs a parser) and calls segments_from_starts.
-    """
-    if rule not in RULES:
-        raise ValueError(f"termination_condition={rule!r} is not valid; choose one of {', '.join(RULES)}")
-    if rule == "fixed":
-        starts = fixed_starts(mask, ngram)
-    elif rule == "randomized":
-        starts = randomized_starts(mask, lengths, repeat_times, generator)
-    elif rule == "ppl":
-        if ref_logprobs is None:
-            raise ValueError("termination_condition='ppl' needs ref_logprobs (B, T)")
-        starts = ppl_starts(mask, ref_logprobs, ppl_max_len)
-    else:
-        if input_ids is None or word_start_table is None:
-            raise ValueError("termination_condition='word' needs input_ids (B, T) and word_start_table (V,)")
-        starts = word_starts(mask, input_ids, word_start_table)
-    if split_last:
-        starts = split_last_token(starts, mask)
-    return segments_from_starts(starts, mask)
+from lab.rules import RULES, segments_for_rule  # noqa: F401  (the tests import them from here)
 
 
 def rollout_section(**change):
