@@ -13,12 +13,13 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
+
+from marlhf.tasks import TaskNames
 
 
 def opt(default, help: str, choices=None, aliases=()):  # noqa: A002 - mirrors argparse's name
@@ -99,6 +100,10 @@ class BaseArgs:
     # --- data -------------------------------------------------------------------------------------------
     data_path: list[str] = opt(["synthetic"], "Datasets: hub names, NAME:LOCAL_PATH, local json/jsonl/parquet "
                                "files with prompt/chosen/rejected, or 'synthetic[:k=v,...]' (the embedded task).")
+    task: str = opt("auto", "The task (marlhf/tasks.py, applications/<task>/task.json): its response kind, gold scorer "
+                    "and evaluation. auto: the task that declares the --data_path datasets (synthetic: the embedded "
+                    "task; Dahoas/full-hh-rlhf: dialogue; ...), none when they belong to none (a local file of the "
+                    "generic layout); none: no task.", choices=TaskNames())
     data_split: str = opt("2,4,4", "Comma-separated shares of each dataset for step 1 / step 2 / step 3 "
                           "(disjoint, seeded).")
     data_output_path: str = opt("/tmp/data_files", "Where tokenized datasets are cached (keyed by every input "
@@ -192,8 +197,6 @@ class BaseArgs:
                              "--critic_lora_dim, > 0)")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not self.tensorboard_path:
-            self.tensorboard_path = os.path.join(self.output_dir, "tensorboard")
 
 
 @dataclass
@@ -362,8 +365,9 @@ class RLHFArgs(BaseArgs):
     parser_model: str = opt("", "Parsing rule model: a benepar model name (e.g. benepar_en3 in nltk_data) or folder, "
                             "or a spaCy pipeline; empty: the backend's default (benepar: benepar_en3 if "
                             "installed, else the project-built model).")
-    response_kind: str = opt("auto", "Parsing rule: responses are natural language or Python code; auto: code for "
-                             "the code task (--reward_source program_tests or synthetic_code data), else text.",
+    response_kind: str = opt("auto", "Parsing rule: responses are natural language or Python code; auto: the "
+                             "task's (code for code and synthetic_code), else code with --reward_source "
+                             "program_tests, else text.",
                              choices=("auto", "text", "code"))
     value_function: str = opt("equal", "σ weights of token values inside a macro action (paper D.1).",
                               choices=("equal", "unit", "position"))
@@ -413,9 +417,6 @@ class RLHFArgs(BaseArgs):
         _ = self.ngram_n  # raises on a bad --ngram
         if self.reward_source == "rm":
             self.reward_source = "reward_model"
-        if self.response_kind == "auto":  # the code task's answers are programs (paper B.4)
-            code_data = all(spec.split(":", 1)[0] == "synthetic_code" for spec in self.data_path)
-            self.response_kind = "code" if self.reward_source == "program_tests" or code_data else "text"
         if self.reward_workers < 1:
             raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
         self.validate_reward_flags()
@@ -610,6 +611,7 @@ def _parse_args(cls: type[BaseArgs], argv: list[str] | None):
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         values = load_config_file(pre.config)
+        values.pop("run_context", None)  # a run's args.json: what it resolved is not a flag
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -98,6 +98,12 @@ def prepare(
     return paths
 
 
+def default_model(path: str) -> str:
+    """The model a training entry point starts from: ``path``, or for an empty one the embedded default tiny model
+    (built offline on first use).  Only the entry points call this: the loaders refuse an empty path."""
+    return path or str(prepare().model_dir)
+
+
 def _build_task(out: Path, cfg: synthetic.SyntheticConfig, vocab_size: int) -> None:
     """Records, tokenizer trained on all their text, and a manifest with measured statistics."""
     from marlhf.data.adapters.loader import synthetic_records  # the records cache --data_path synthetic reads

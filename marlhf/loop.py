@@ -17,6 +17,7 @@ the same batches (and, with the RNG state restored by the checkpoint, the same d
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,8 @@ class LoopSection:
     def from_args(cls, args) -> LoopSection:
         return cls(output_dir=args.output_dir, seed=args.seed, eval_interval=args.eval_interval,
                    save_steps=args.save_steps, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-                   tensorboard_path=args.tensorboard_path, enable_tensorboard=args.enable_tensorboard,
+                   tensorboard_path=args.tensorboard_path or os.path.join(args.output_dir, "tensorboard"),
+                   enable_tensorboard=args.enable_tensorboard,
                    print_loss=args.print_loss, disable_progress_bar=args.disable_progress_bar)
 
 

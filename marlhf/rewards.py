@@ -1,7 +1,7 @@
 """Reward sources: one interface, ``score(prompts, responses, meta) -> scores``, behind ``--reward_source``.
 
     reward_model   the step-2 reward model (step 3: the frozen reward engine)    :class:`RewardModelSource`
-    gold           the embedded task's gold scorer (facts from ``meta``)         :class:`~.rlhf.tasks.GoldScorer`
+    gold           the embedded task's gold scorer (facts from ``meta``)         :class:`~.tasks.GoldScorer`
     program_tests  generated programs run against the problem's unit tests      :class:`~.ProgramTestReward`
                    in a sandbox (paper App. B.5; :mod:`marlhf.code.reward`)
     python         the user's function, ``--reward_function FILE.py:NAME``      :class:`~.PythonReward`
@@ -95,12 +95,13 @@ def score_samples(source, tokenizer, s: Samples, meta: Sequence[dict] | None = N
     return torch.tensor(scores, dtype=torch.float32, device=s.seq.device)
 
 
-def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: int = 1, function: str = "",
+def build_reward_source(name: str, *, reward_model=None, task=None, workers: int = 1, function: str = "",
                         url: str = "", timeout: float = 60.0, retries: int = 3):
-    """The ``--reward_source`` of step 3: ``reward_model`` (the frozen reward engine), ``gold`` (needs the
-    embedded task), ``program_tests`` (the sandboxed unit tests in each record's meta), ``python`` (the
-    ``function`` spec, imported now so a bad one fails before training) or ``remote`` (the server at
-    ``url``, with ``timeout`` seconds per attempt and ``retries`` retries)."""
+    """The ``--reward_source`` of step 3: ``reward_model`` (the frozen reward engine), ``gold`` (the gold scorer
+    of ``task``, a :class:`marlhf.tasks.Task`: the embedded task has one), ``program_tests`` (the sandboxed unit
+    tests in each record's meta), ``python`` (the ``function`` spec, imported now so a bad one fails before
+    training) or ``remote`` (the server at ``url``, with ``timeout`` seconds per attempt and ``retries``
+    retries)."""
     from marlhf.errors import ConfigError
 
     if name in ("reward_model", "rm"):
@@ -109,11 +110,10 @@ def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: 
                               "--reward_model_name_or_path)")
         return RewardModelSource(reward_model)
     if name == "gold":
-        from marlhf.rlhf.tasks import gold_scorer_for
-
-        gold = gold_scorer_for(list(data_path))
+        gold = task.gold() if task is not None else None
         if gold is None:
-            raise ConfigError("--reward_source gold needs a task with a gold scorer (the synthetic task)")
+            raise ConfigError(f"--reward_source gold needs a task with a gold scorer (the synthetic task); the run's "
+                              f"task is {task.name if task is not None else 'none'}")
         return gold
     if name == "program_tests":
         from marlhf.code.reward import ProgramTestReward
@@ -134,13 +134,6 @@ def build_reward_source(name: str, *, reward_model=None, data_path=(), workers: 
     raise ValueError(f"unknown reward source {name!r}; choose from {', '.join(REWARD_SOURCES)}")
 
 
-def reward_source_from_args(args, reward_model=None):
-    """:func:`build_reward_source` with step 3's flags (``RLHFArgs`` or ``PolicyEvalArgs``)."""
-    return build_reward_source(args.reward_source, reward_model=reward_model, data_path=args.data_path,
-                               workers=args.reward_workers, function=args.reward_function, url=args.reward_url,
-                               timeout=args.reward_timeout, retries=args.reward_retries)
-
-
 def require_meta(items: list[dict], key: str, what: str) -> None:
     """Every prompt example carries ``meta[key]`` (e.g. the unit tests ``input_output``), else a clear error."""
     from marlhf.errors import ConfigError
@@ -152,14 +145,12 @@ def require_meta(items: list[dict], key: str, what: str) -> None:
                           f"synthetic_code)")
 
 
-def evaluation_sources(reward_source: str, reward, reward_model=None, data_path=()) -> dict:
+def evaluation_sources(reward_source: str, reward, reward_model=None, task=None) -> dict:
     """What step 3's held-out evaluation reports (name -> source): the reward model's score when there is
     one, the gold score on the embedded task, and the training reward when it needs no reward model (the
     program tests as ``program``, the user's function or server as ``reward``: :data:`OWN_EVALUATION_NAMES`)."""
-    from marlhf.rlhf.tasks import gold_scorer_for
-
     sources = {"rm": RewardModelSource(reward_model)} if reward_model is not None else {}
-    if (gold := gold_scorer_for(list(data_path))) is not None:
+    if task is not None and (gold := task.gold()) is not None:
         sources["gold"] = gold
     if reward_source in OWN_EVALUATION_NAMES and reward is not None:
         sources[OWN_EVALUATION_NAMES[reward_source]] = reward

@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from marlhf.models.logprobs import token_logprobs
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_section
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
+
+if TYPE_CHECKING:
+    from marlhf.config import EngineSection
 
 log = logging.getLogger("marlhf")
 
@@ -224,26 +228,50 @@ class SupervisedRecipe(loop.Recipe):
                  self.num_items, steps_per_epoch, total, start, dist.world_size())
 
 
-def train(args, model, tokenizer, train_items: list[dict], eval_items: list[dict], objective: Objective):
+@dataclass(frozen=True)
+class SupervisedSection:
+    """Steps 1-2's batches and schedule (the engine's optimizer is its :class:`~marlhf.config.EngineSection`)."""
+
+    micro_batch: int  # --per_device_train_batch_size
+    eval_micro_batch: int  # --per_device_eval_batch_size
+    gradient_accumulation_steps: int
+    num_train_epochs: int
+    max_steps: int
+    group_by_length: bool
+    seed: int  # the sampler's
+    loss_aggregation: str
+    max_skipped_steps: int
+
+    @classmethod
+    def from_args(cls, args) -> SupervisedSection:
+        return cls(micro_batch=args.per_device_train_batch_size, eval_micro_batch=args.per_device_eval_batch_size,
+                   gradient_accumulation_steps=args.gradient_accumulation_steps,
+                   num_train_epochs=args.num_train_epochs, max_steps=args.max_steps,
+                   group_by_length=args.group_by_length, seed=args.seed, loss_aggregation=args.loss_aggregation,
+                   max_skipped_steps=args.max_skipped_steps)
+
+
+def train(model, train_items: list[dict], eval_items: list[dict], objective: Objective, section: SupervisedSection,
+          engine: EngineSection, loop_section: loop.LoopSection):
     """Train ``model`` on ``train_items`` with ``objective`` under DeepSpeed; returns the engine.
 
     The loop (:func:`marlhf.loop.run`) evaluates before training and every ``--eval_interval`` steps / epoch
     end, checkpoints every ``--save_steps`` (resumable with ``--resume``), logs to
     ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
-    mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    lengths = [objective.length(item) for item in train_items] if args.group_by_length else None
-    sampler = ResumableSampler(len(train_items), args.seed, lengths=lengths, batch_size=mb)
+    mb, ga = section.micro_batch, section.gradient_accumulation_steps
+    lengths = [objective.length(item) for item in train_items] if section.group_by_length else None
+    sampler = ResumableSampler(len(train_items), section.seed, lengths=lengths, batch_size=mb)
     loader = make_loader(train_items, mb, sampler, objective.collator)
-    eval_loader = make_loader(eval_items, args.per_device_eval_batch_size,
-                              ResumableSampler(len(eval_items), args.seed, shuffle=False), objective.collator)
-    steps_per_epoch, total = plan_steps(len(train_items), mb, ga, args.num_train_epochs, args.max_steps)
-    engine = engine_from_section(model, args.engine(), total, mb)
-    recipe = SupervisedRecipe(engine, objective, eval_loader, args.loss_aggregation, args.max_skipped_steps,
+    eval_loader = make_loader(eval_items, section.eval_micro_batch,
+                              ResumableSampler(len(eval_items), section.seed, shuffle=False), objective.collator)
+    steps_per_epoch, total = plan_steps(len(train_items), mb, ga, section.num_train_epochs, section.max_steps)
+    ds_engine = engine_from_section(model, engine, total, mb)
+    recipe = SupervisedRecipe(ds_engine, objective, eval_loader, section.loss_aggregation, section.max_skipped_steps,
                               len(train_items))
-    engine.train()
-    loop.run(recipe, loader, sampler, loop.LoopSection.from_args(args), steps_per_epoch=steps_per_epoch, total=total,
+    ds_engine.train()
+    loop.run(recipe, loader, sampler, loop_section, steps_per_epoch=steps_per_epoch, total=total,
              batches_per_step=ga, items_per_batch=mb)
-    return engine
+    return ds_engine
 
 
 def _device_iter(loader):

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+from marlhf.cli._run import step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
-from marlhf.models.loading import run_tokenizer
-from marlhf.rlhf.rlhf_engine import build_rlhf_engine
+from marlhf.data.pipeline import DataSection
+from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rollout import Experience
 from marlhf.rlhf.trainer import MAPPOTrainer
+from marlhf.tasks import resolve_task
 from marlhf.utils import dist
 
 
@@ -41,19 +43,50 @@ def rlhf_args(nano, out, **flags) -> RLHFArgs:
     return args
 
 
+def step3_tokenizer(args):
+    """(tokenizer, format) of the actor, as step 3 resolves them (left padding for generation)."""
+    return load_tokenizer_and_format(args.actor_model_name_or_path, args.end_of_conversation_token, args.prompt_format,
+                                     padding_side="left", add_eot_token=args.add_eot_token)
+
+
+def build_trainer(args, reward=None, total_steps: int = 4) -> MAPPOTrainer:
+    """Step 3's trainer from its flags, as ``marlhf.cli.ppo`` builds it (no run folder, no logs)."""
+    tok, fmt = step3_tokenizer(args)
+    task = resolve_task(args.task, args.data_path)
+    context = step3_context(args, args.actor_model_name_or_path, task)
+    trainer, _ = step3_trainer(args, args.actor_model_name_or_path, tok, fmt, context, task, total_steps,
+                               reward=reward)
+    return trainer
+
+
 def make_trainer(args, reward=None) -> MAPPOTrainer:
     """Fresh engines; the critic's new value head is initialised from the same seed every time."""
     dist.init_distributed()
-    tok, _ = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
     dist.set_seed(args.seed)
-    rlhf = build_rlhf_engine(args, tok, total_steps=4)
-    return MAPPOTrainer(args, rlhf, tok, reward=reward)
+    return build_trainer(args, reward=reward)
+
+
+def phase3_data(args, tok):
+    """Step 3's tokenized prompts (the run's format resolved as step 3 does)."""
+    from marlhf.data.pipeline import build_phase_data
+
+    _, fmt = step3_tokenizer(args)
+    return build_phase_data(DataSection.from_args(args, fmt), tok, phase=3)
+
+
+def evaluate(trainer, items, args, sources, **kw) -> dict:
+    """Step 3's held-out evaluation of ``trainer``'s actor with the flags' evaluation settings."""
+    from marlhf.eval.policy import evaluate_policy
+    from marlhf.rlhf.sections import EvalSection
+
+    return evaluate_policy(trainer.rlhf.actor if "actor" not in kw else kw.pop("actor"), trainer.tokenizer, items,
+                           EvalSection.from_args(args), trainer.gen_cfg, sources, **kw)
 
 
 def prompts(args, tok, n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    from marlhf.data.pipeline import PromptCollator, build_phase_data
+    from marlhf.data.pipeline import PromptCollator
 
-    items = build_phase_data(args, tok, phase=3).train[offset:offset + n]
+    items = phase3_data(args, tok).train[offset:offset + n]
     batch = PromptCollator(tok.pad_token_id)(items)
     return batch["prompt_ids"], batch["prompt_mask"]
 

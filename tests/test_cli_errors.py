@@ -15,6 +15,7 @@ from conftest import REPO, STEP1, STEP2, STEP3, deepspeed_cmd
 
 from marlhf.data.adapters import load_records
 from marlhf.data.records import BadRowPolicy
+from marlhf.embedded import default_model
 
 RW_EVAL = REPO / "training/step2_reward_model_finetuning/rw_eval.py"
 
@@ -54,7 +55,7 @@ def test_identical_pair_is_a_bad_row_for_the_reward_model(tmp_path, embedded):
     from marlhf.data.records import Record
     from marlhf.models.loading import load_tokenizer
 
-    tok = load_tokenizer("")
+    tok = load_tokenizer(default_model(""))
     recs = [Record("p one", " same", " same", source="f.jsonl:1"), Record("p two", " good", " bad", "f.jsonl:2")]
     policy = BadRowPolicy("skip")
     kw = {"eot": "<|endoftext|>", "max_seq_len": 64, "max_prompt_len": 64}

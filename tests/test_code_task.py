@@ -155,7 +155,12 @@ def test_step3_checkpoint_exports_actor_and_critic(code_run, tmp_path):
     from marlhf.errors import run_cli
 
     out, _ = code_run
-    assert json.loads((out / "args.json").read_text())["critic_model_name_or_path"] == ""
+    recorded = json.loads((out / "args.json").read_text())
+    assert recorded["critic_model_name_or_path"] == ""  # the flag as given; what the run resolved:
+    context = recorded["run_context"]
+    assert context["critic_model_name_or_path"] == context["actor_model_name_or_path"]  # the actor (B.5)
+    assert context["reward_model_name_or_path"] is None and context["task"] == "synthetic_code"
+    assert context["response_kind"] == "code" and set(context["learning_rates"]) == {"actor", "critic"}
     assert (out / "checkpoints" / "step00000003").is_dir()
     export = load_main("export")
     for part, cls in (("actor", AutoModelForCausalLM), ("critic", AutoModelForSequenceClassification)):

@@ -9,6 +9,7 @@ import torch
 from maths_helpers import rollout_section, segments_for_rule
 
 from marlhf.config import RLHFArgs, component_names, parse_args
+from marlhf.embedded import default_model
 from marlhf.rlhf import advantages, termination
 from marlhf.rlhf.sections import MacroSection
 
@@ -64,6 +65,7 @@ class EveryThird(TerminationRule):
 
 TOY_ESTIMATOR = '''
 from marlhf.rlhf.advantages import SequenceEstimator, register
+from marlhf.embedded import default_model
 
 
 @register("toy_raw_return")
@@ -90,7 +92,7 @@ def test_a_new_rule_and_estimator_are_one_file_each(package_folder):
                             whiten_advantages=False)
     # the rule: built from its section like the others, segments every 3 tokens
     mask = torch.tensor([[1] * 7 + [0], [1] * 8, [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
-    seg_fn = MacroSegmenter(MacroSection.from_args(args), load_tokenizer(""), seed=0)
+    seg_fn = MacroSegmenter(MacroSection.from_args(args, "text"), load_tokenizer(default_model("")), seed=0)
     seg, fallbacks = seg_fn(torch.zeros_like(mask, dtype=torch.long), mask, torch.zeros(mask.shape), step=0)
     assert torch.equal(seg, segments_for_rule("fixed", mask, ngram=3)) and fallbacks == 0
     assert seg[1].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
@@ -119,9 +121,17 @@ def test_sections_take_their_flags_and_declare_no_defaults():
     import dataclasses
 
     from marlhf.config import EngineSection
-    from marlhf.rlhf.sections import RolloutSection, UpdateSection
+    from marlhf.data.pipeline import DataSection
+    from marlhf.eval.generate import PromptSource
+    from marlhf.loop import LoopSection
+    from marlhf.rlhf.rlhf_engine import ModelsSection
+    from marlhf.rlhf.sections import BatchSection, EvalSection, RolloutSection, UpdateSection
+    from marlhf.rlhf.trainer import MAPPOSections
+    from marlhf.supervised import SupervisedSection
 
-    for section in (MacroSection, RolloutSection, UpdateSection, EngineSection):
+    sections = (MacroSection, RolloutSection, UpdateSection, EngineSection, DataSection, LoopSection, ModelsSection,
+                BatchSection, EvalSection, MAPPOSections, SupervisedSection, PromptSource)
+    for section in sections:
         assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                    for f in dataclasses.fields(section)), section
     args, _ = parse_args(RLHFArgs, ["--actor_learning_rate", "3e-5", "--actor_zero_stage", "2", "--critic_weight_decay",
@@ -131,9 +141,27 @@ def test_sections_take_their_flags_and_declare_no_defaults():
     assert (actor.stage, actor.learning_rate, actor.zero_stage, actor.weight_decay) == ("actor", 3e-5, 2, 0.0)
     assert (critic.stage, critic.weight_decay, critic.zero_stage) == ("critic", 0.1, args.critic_zero_stage)
     rollout, update, macro = (RolloutSection.from_args(args), UpdateSection.from_args(args),
-                              MacroSection.from_args(args))
+                              MacroSection.from_args(args, "code"))
     assert rollout.kl_ctl == update.kl_ctl == 0.2 and rollout.lam == 0.9 and update.ppo_epochs == 2
     assert macro.ngram is None and macro.split_last and macro.termination_condition == "fixed"
+    assert macro.response_kind == "code"  # the run's resolved kind, not the flag's "auto"
+    # step 3's batches, models and evaluation, and the whole of MA-PPO's sections, from the same flags
+    args, _ = parse_args(RLHFArgs, ["--per_device_generation_batch_size", "4", "--num_samples_per_prompt", "2",
+                                    "--advantage_estimator", "rloo", "--per_device_training_batch_size", "8",
+                                    "--lora_dim", "4", "--max_prompt_seq_len", "100", "--max_answer_seq_len", "20",
+                                    "--enable_hybrid_engine", "--print_answers", "--print_answers_interval", "5"])
+    batches = BatchSection.from_args(args)
+    assert (batches.experiences_per_batch, batches.training_batch) == (8, 8)
+    models = ModelsSection.from_args(args, actor_path="a", critic_path="c", reward_path=None,
+                                     end_of_conversation_token="<e>")
+    assert (models.needs_critic, models.actor_lora_dim, models.critic_lora_dim, models.max_out_tokens) == \
+        (False, 4, 0, 120)  # rloo trains no critic; the actor's LoRA rank falls back to --lora_dim
+    mappo = MAPPOSections.from_args(args, response_kind="text", stop_ids=[7], pad_id=0)
+    assert mappo.print_answers_interval == 5 and mappo.generation.stop_ids == (7,)
+    assert EvalSection.from_args(args).batch == 4  # --per_device_eval_generation_batch_size 0: the training one
+    assert LoopSection.from_args(args).tensorboard_path == "./output/tensorboard"
+    data = DataSection.from_args(args)
+    assert (data.max_seq_len, data.max_prompt_seq_len, data.data_path) == (0, 100, ("synthetic",))
     defaults, _ = parse_args(RLHFArgs, [])
     assert RolloutSection.from_args(defaults).kl_ctl == dataclasses.fields(RLHFArgs)[
         [f.name for f in dataclasses.fields(RLHFArgs)].index("kl_ctl")].default

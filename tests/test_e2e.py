@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -53,6 +54,18 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
     assert args3["actor_model_name_or_path"].endswith("run/step1")
     assert args3["critic_model_name_or_path"].endswith("run/step2_onpolicy/reward_model")
+    # what each step resolved is its run context, beside the flags as given (which keep "" and "auto")
+    args1 = json.loads((tmp_path / "run/step1/args.json").read_text())
+    assert args1["model_name_or_path"] == "" and args1["prompt_format"] == "auto"
+    context1 = args1["run_context"]
+    assert (Path(context1["model_name_or_path"]) / "config.json").is_file()  # the embedded default model
+    assert context1["task"] == "synthetic"
+    assert context1["end_of_conversation_token"] == "<|endoftext|>" and context1["prompt_format"] == "raw"
+    assert context1["learning_rate"] == 1e-3
+    context3 = args3["run_context"]
+    assert context3["reward_model_name_or_path"] == context3["critic_model_name_or_path"] == \
+        args3["critic_model_name_or_path"]
+    assert context3["response_kind"] == "text" and context3["learning_rates"]["actor"] > 0
     assert (tmp_path / "run/step3/actor/model.safetensors").exists()
     assert "SFT policy" in proc.stdout and "final policy" in proc.stdout
     assert "gold_coverage" in proc.stdout and "gold_unfinished" in proc.stdout and "eos_rate" in proc.stdout

@@ -86,9 +86,9 @@ def test_hybrid_engine_decision_agrees_with_deepspeeds_kernels(model_type):
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2", "qwen2", "llama"])
 def test_hybrid_engine_refused_before_loading_naming_the_architecture(model_type, tmp_path):
     tiny_config(model_type).save_pretrained(tmp_path)  # a config alone: refused before any weight is read
-    args = SimpleNamespace(enable_hybrid_engine=True, actor_lora_dim=0, lora_dim=0)
+    models = SimpleNamespace(enable_hybrid_engine=True, actor_lora_dim=0, actor_path=str(tmp_path))
     with pytest.raises(ConfigError) as err:
-        check_hybrid_engine(args, str(tmp_path))
+        check_hybrid_engine(models)
     msg = str(err.value)
     assert f"model_type '{model_type}'" in msg and "the model's own generate()" in msg
     if model_type == "llama":
@@ -97,11 +97,11 @@ def test_hybrid_engine_refused_before_loading_naming_the_architecture(model_type
 
 def test_hybrid_engine_refuses_a_peft_actor_of_a_kernel_architecture(tmp_path):
     tiny_config("gpt_neo").save_pretrained(tmp_path)
-    check_hybrid_engine(SimpleNamespace(enable_hybrid_engine=True, actor_lora_dim=0, lora_dim=0), str(tmp_path))
+    check_hybrid_engine(SimpleNamespace(enable_hybrid_engine=True, actor_lora_dim=0, actor_path=str(tmp_path)))
     with pytest.raises(ConfigError, match="LoRA adapters \\(peft\\), which the hybrid engine's kernels ignore"):
-        check_hybrid_engine(SimpleNamespace(enable_hybrid_engine=True, actor_lora_dim=8, lora_dim=0), str(tmp_path))
+        check_hybrid_engine(SimpleNamespace(enable_hybrid_engine=True, actor_lora_dim=8, actor_path=str(tmp_path)))
     # the flag off: nothing is read (a folder without a config passes)
-    check_hybrid_engine(SimpleNamespace(enable_hybrid_engine=False, actor_lora_dim=8, lora_dim=0), str(tmp_path / "x"))
+    check_hybrid_engine(SimpleNamespace(enable_hybrid_engine=False, actor_lora_dim=8, actor_path=str(tmp_path / "x")))
 
 
 def test_hybrid_engine_on_a_kernel_architecture_fails_clearly_on_cpu(nano, tmp_path):
@@ -175,7 +175,7 @@ def test_frozen_models_offloaded_at_every_actor_stage(nano, tmp_path):
 
 
 def test_mixed_precision_lora_preconditions_and_node_local_hpz(monkeypatch):
-    base = dict(enable_mixed_precision_lora=True, actor_lora_dim=8, lora_dim=0, actor_zero_stage=3)
+    base = dict(enable_mixed_precision_lora=True, actor_lora_dim=8, actor_zero_stage=3)
     with pytest.raises(ConfigError, match="needs --only_optimize_lora"):
         mixed_precision_lora_config(SimpleNamespace(**base, only_optimize_lora=False))
     # 2 nodes of 4 ranks: hpZ partitions within the node's 4 ranks, whatever a rank sees as devices

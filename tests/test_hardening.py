@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from test_macro import ref_ppl
 
+from marlhf.embedded import default_model
 from marlhf.rlhf.macro import ppl_starts, segments_from_starts
 from marlhf.rlhf.ppo_math import compute_advantages, policy_loss, token_rewards, value_loss
 
@@ -113,7 +113,7 @@ def test_randomized_rule_differs_per_generation_batch_and_repeats_per_seed(embed
 
     section = MacroSection(termination_condition="randomized", ngram=5, repeat_times=3, parser_backend="auto",
                            parser_cutoff=5, parser_model="", response_kind="text", split_last=False)
-    seg_fn = MacroSegmenter(section, load_tokenizer(""), seed=0)
+    seg_fn = MacroSegmenter(section, load_tokenizer(default_model("")), seed=0)
     mask = torch.ones(8, 60, dtype=torch.bool)
     answer = torch.zeros(8, 60, dtype=torch.long)
     lp = torch.zeros(8, 60)
@@ -135,9 +135,9 @@ def test_stream_seeds_do_not_collide(parts):
 # --------------------------------------------------------------------------------------- plain-text ptx
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
-    from marlhf.data.pipeline import SFTCollator
+    from marlhf.data.pipeline import DataSection, SFTCollator
     from marlhf.models.loading import load_tokenizer
-    from marlhf.rlhf.tasks import ptx_items
+    from marlhf.rlhf.ptx import ptx_items
 
     docs = ["The cat sat on the mat. " * 6, "A second document, about dogs and parks. " * 5, "Short one."]
     if kind == "txt":
@@ -146,10 +146,10 @@ def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
     else:
         path = tmp_path / "corpus.jsonl"
         path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tok = load_tokenizer("")
-    args = SimpleNamespace(unsupervised_dataset_name=str(path), unsup_coef=1.0, bad_rows="error",
-                           max_prompt_seq_len=24, max_answer_seq_len=16, end_of_conversation_token="<|endoftext|>")
-    items = ptx_items(args, tok)
+    tok = load_tokenizer(default_model(""))
+    data = DataSection((), "2,4,4", "", 0, 0.0, 0, bad_rows="error", long_prompts="truncate", max_seq_len=0,
+                       max_prompt_seq_len=24, end_of_conversation_token="<|endoftext|>", prompt_format="raw")
+    items = ptx_items(str(path), tok, data, max_answer_seq_len=16)
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     expected = []
     for d in docs:
@@ -163,11 +163,11 @@ def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
 
 
 def test_prompt_chosen_ptx_data_keeps_the_response_loss(embedded):
+    from marlhf.data.pipeline import DataSection
     from marlhf.models.loading import load_tokenizer
-    from marlhf.rlhf.tasks import ptx_items
+    from marlhf.rlhf.ptx import ptx_items
 
-    args = SimpleNamespace(unsupervised_dataset_name="synthetic:num_records=50", unsup_coef=1.0, bad_rows="error",
-                           max_prompt_seq_len=160, max_answer_seq_len=64, end_of_conversation_token="<|endoftext|>",
-                           prompt_format="raw", long_prompts="truncate")
-    items = ptx_items(args, load_tokenizer(""))
+    data = DataSection((), "2,4,4", "", 0, 0.0, 0, bad_rows="error", long_prompts="truncate", max_seq_len=0,
+                       max_prompt_seq_len=160, end_of_conversation_token="<|endoftext|>", prompt_format="raw")
+    items = ptx_items("synthetic:num_records=50", load_tokenizer(default_model("")), data, max_answer_seq_len=64)
     assert items and all(it["response_start"] > 0 for it in items)

@@ -13,8 +13,10 @@ import dataclasses
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -47,7 +49,9 @@ exit "${FAKE_DS_EXIT:-0}"
 """
 
 # The fake `python` of LAUNCHER=auto's direct launch: its arguments and the variables main.py would see.
+# the fake python stands in for main.py only: the launch scripts' task lookup runs the real one
 FAKE_PYTHON = """#!/usr/bin/env bash
+if [[ "$1" == -m && "$2" == marlhf.tasks ]]; then exec """ + shlex.quote(sys.executable) + """ "$@"; fi
 printf '%s\\0' "$@" > "$FAKE_PY_ARGS"
 printf 'PYTHONPATH=%s\\nMASTER_PORT=%s\\n' "${PYTHONPATH:-}" "${MASTER_PORT:-unset}" > "$FAKE_PY_ARGS.env"
 echo "fake python: $# arguments"

@@ -105,3 +105,30 @@ def test_no_module_imports_a_layer_above_its_own():
     graph = imports(modules())
     upward = sorted((m, t) for m, targets in graph.items() for t in targets if layer(t) > layer(m))
     assert upward == []
+
+
+def takers_of_the_flags(source: str) -> list[str]:
+    """Functions of ``source`` that receive the whole parsed flag object: a parameter named ``args`` or a read of
+    ``self.args``.  A section's ``from_args`` builder is where the flags are cut, so it is not counted."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name == "from_args":
+            continue
+        params = {a.arg for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs}
+        self_args = any(isinstance(n, ast.Attribute) and n.attr == "args" and isinstance(n.value, ast.Name)
+                        and n.value.id == "self" for n in ast.walk(node))
+        if "args" in params or self_args:
+            out.append(node.name)
+    return out
+
+
+def test_the_flags_stop_at_the_entry_points():
+    """Only the entry points (cli/) hold the parsed flags; the library receives sections (each built by its
+    ``from_args``) and explicit values.  Checked on a synthetic module that it finds both kinds of taker."""
+    toy = ("class S:\n    @classmethod\n    def from_args(cls, args): ...\n"
+           "def build(args, tok): ...\n"
+           "class T:\n    def step(self):\n        return self.args.lr\n")
+    assert takers_of_the_flags(toy) == ["build", "step"]
+    takers = {f"{path.relative_to(REPO)}:{name}" for path in ROOT.rglob("*.py")
+              if "cli" not in path.relative_to(ROOT).parts for name in takers_of_the_flags(path.read_text())}
+    assert takers == set()

@@ -169,7 +169,6 @@ def test_sampling_temperature_makes_pi_old_the_distribution_that_sampled(nano_mo
     """π_old with ``--logprob_temperature sampling`` equals HF generate's own log-probs of the drawn tokens
     (temperature-scaled scores, no top-k / top-p) up to the KV cache's float32 rounding; with '1' it is off by
     far more."""
-    from types import SimpleNamespace
 
     from marlhf.rlhf.rollout import policy_logprobs
     from marlhf.rlhf.sections import logprob_temperature
@@ -188,11 +187,10 @@ def test_sampling_temperature_makes_pi_old_the_distribution_that_sampled(nano_mo
     seq, P = out.sequences, ids.shape[1]
     sampled = torch.log_softmax(torch.stack(out.scores, 1).double(), -1).gather(-1, seq[:, P:, None]).squeeze(-1)
     attn = torch.cat([mask, torch.ones_like(seq[:, P:])], 1)
-    args = SimpleNamespace(temperature=T, logprob_temperature="sampling")
-    assert logprob_temperature(args) == T
+    assert logprob_temperature("sampling", T) == T and logprob_temperature("1", T) == 1.0
     with torch.no_grad():
-        matched = policy_logprobs(nano_model, seq, attn, P, logprob_temperature(args))
-        raw = policy_logprobs(nano_model, seq, attn, P, logprob_temperature(SimpleNamespace(temperature=T)))
+        matched = policy_logprobs(nano_model, seq, attn, P, logprob_temperature("sampling", T))
+        raw = policy_logprobs(nano_model, seq, attn, P, logprob_temperature("1", T))
     assert (matched.double() - sampled).abs().max() < 1e-5  # measured 5e-7
     assert (raw.double() - sampled).abs().max() > 0.05
 

@@ -63,12 +63,14 @@ def final_eval(out: Path) -> dict:
 def eval_items(work: Path, args_cls, phase: int) -> list[dict]:
     """The held-out examples the run evaluated on, read through the pipeline (its cache is warm by now)."""
     from marlhf.config import parse_args
-    from marlhf.data.pipeline import build_phase_data
-    from marlhf.models.loading import run_tokenizer
+    from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.embedded import default_model
+    from marlhf.models.loading import load_tokenizer_and_format
 
     args, _ = parse_args(args_cls, run_argv(work, "unused"))
-    tok, _ = run_tokenizer(args, args.model_name_or_path)
-    items = build_phase_data(args, tok, phase).eval
+    tok, fmt = load_tokenizer_and_format(default_model(args.model_name_or_path), args.end_of_conversation_token,
+                                         args.prompt_format)
+    items = build_phase_data(DataSection.from_args(args, fmt), tok, phase).eval
     assert len(items) == 16
     return items
 

@@ -10,6 +10,7 @@ import torch
 from marlhf.config import RewardArgs, RLHFArgs, SFTArgs, parse_args
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import (
+    DataSection,
     PairCollator,
     PromptCollator,
     SFTCollator,
@@ -19,6 +20,7 @@ from marlhf.data.pipeline import (
     tokenize_phase,
 )
 from marlhf.data.records import BadRowPolicy, DataError, Record
+from marlhf.loop import LoopSection
 
 # ---------------------------------------------------------------------------------------------- config
 
@@ -32,7 +34,8 @@ def test_deepspeed_chat_flags_parse_with_their_meaning():
     assert args.offload_reference_model and ns.deepspeed
     assert parse_args(RLHFArgs, ["--ngram", "1"])[0].ngram_n == 1
     sft, _ = parse_args(SFTArgs, ["--bf16", "--output_dir", "/tmp/x"])
-    assert sft.dtype == "bf16" and sft.tensorboard_path == "/tmp/x/tensorboard"
+    assert sft.dtype == "bf16" and sft.tensorboard_path == ""  # the flag as given; the loop's default:
+    assert LoopSection.from_args(sft).tensorboard_path == "/tmp/x/tensorboard"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -184,11 +187,11 @@ def test_cache_is_reused_and_keyed_by_inputs(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": " c", "rejected": " r"}) + "\n"
                             for i in range(30)))
     tok = CountingTokenizer()
-    first = build_phase_data(_args(tmp_path, data), tok, phase=1)
+    first = build_phase_data(DataSection.from_args(_args(tmp_path, data)), tok, phase=1)
     calls = tok.calls
-    again = build_phase_data(_args(tmp_path, data), tok, phase=1)
+    again = build_phase_data(DataSection.from_args(_args(tmp_path, data)), tok, phase=1)
     assert tok.calls == calls and again.train == first.train  # served from the cache
-    other = build_phase_data(_args(tmp_path, data, max_seq_len=5), tok, phase=1)
+    other = build_phase_data(DataSection.from_args(_args(tmp_path, data, max_seq_len=5)), tok, phase=1)
     assert tok.calls > calls and other.train != first.train  # a changed input rebuilds
     assert len(first.eval) == 6 and len(first.train) == 8  # 20% held out, a third of the rest
     prompt = lambda x: tuple(x["input_ids"][:x["response_start"]])
@@ -213,7 +216,7 @@ def test_max_eval_samples_counts_kept_examples(tmp_path):
     data.write_text("".join(json.dumps({"prompt": ("x" * 80 if i % 2 else "p") + f"{i}", "chosen": " c",
                                         "rejected": " r"}) + "\n" for i in range(60)))
     args = _args(tmp_path, data, max_eval_samples=4, long_prompts="skip")
-    out = build_phase_data(args, CountingTokenizer(), phase=1)
+    out = build_phase_data(DataSection.from_args(args), CountingTokenizer(), phase=1)
     assert len(out.eval) == 4 and len(out.eval_records) == 4
     assert all(len(r.prompt) < 10 for r in out.eval_records)
     assert [list(x["input_ids"][1:x["response_start"]]) for x in out.eval] == \

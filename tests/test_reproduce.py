@@ -263,27 +263,24 @@ def test_held_out_kl_against_a_per_sample_loop(tmp_path):
     """evaluate_policy's KL = Σ_t log π(a_t|s_t) − log π_ref(a_t|s_t) over each held-out answer, averaged:
     0 with the reference itself, and the loop value over the same seeded samples with a perturbed actor."""
     import torch
-    from ppo_harness import make_trainer, rlhf_args
+    from ppo_harness import evaluate, make_trainer, phase3_data, rlhf_args
 
     from marlhf import embedded
-    from marlhf.data.pipeline import PromptCollator, build_phase_data
-    from marlhf.eval.policy import evaluate_policy
-    from marlhf.generation import GenerationConfig, sample
-    from marlhf.models.loading import stop_token_ids
+    from marlhf.data.pipeline import PromptCollator
+    from marlhf.generation import sample
 
     nano = embedded.prepare(size="nano").model_dir
     args = rlhf_args(nano, tmp_path, max_eval_samples=6, per_device_generation_batch_size=4,
                      per_device_training_batch_size=4)
     t = make_trainer(args)
-    items = build_phase_data(args, t.tokenizer, phase=3).eval[:6]
+    items = phase3_data(args, t.tokenizer).eval[:6]
     actor, ref = t.rlhf.actor, t.rlhf.ref
-    assert evaluate_policy(actor, t.tokenizer, items, args, {}, ref=ref)["kl"] == 0.0
+    assert evaluate(t, items, args, {}, ref=ref)["kl"] == 0.0
     with torch.no_grad():
         actor.module.lm_head.weight.add_(0.05 * torch.randn_like(actor.module.lm_head.weight))
-    got = evaluate_policy(actor, t.tokenizer, items, args, {}, ref=ref, seed=5)["kl"]
+    got = evaluate(t, items, args, {}, ref=ref, seed=5)["kl"]
 
-    cfg = GenerationConfig.from_args(args, stop_token_ids(t.tokenizer, args.end_of_conversation_token),
-                                     t.tokenizer.pad_token_id)
+    cfg = t.gen_cfg  # the flags' sampling settings, stopping at the run's end token
     total = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
@@ -310,11 +307,9 @@ def test_held_out_evaluation_reports_each_scores_standard_error(tmp_path):
     one that explains itself (its ``total``), computed here from the scores the sources handed out."""
     import statistics
 
-    from ppo_harness import make_trainer, rlhf_args
+    from ppo_harness import evaluate, make_trainer, phase3_data, rlhf_args
 
     from marlhf import embedded
-    from marlhf.data.pipeline import build_phase_data
-    from marlhf.eval.policy import evaluate_policy
 
     class Plain:  # a score per answer that varies: its length in characters, modulo 7
         seen: list[float] = []
@@ -337,9 +332,9 @@ def test_held_out_evaluation_reports_each_scores_standard_error(tmp_path):
     args = rlhf_args(nano, tmp_path, max_eval_samples=10, per_device_generation_batch_size=4,
                      per_device_training_batch_size=4)
     t = make_trainer(args)
-    items = build_phase_data(args, t.tokenizer, phase=3).eval[:10]
+    items = phase3_data(args, t.tokenizer).eval[:10]
     plain, explained = Plain(), Explained()
-    got = evaluate_policy(t.rlhf.actor, t.tokenizer, items, args, {"p": plain, "x": explained})
+    got = evaluate(t, items, args, {"p": plain, "x": explained})
     for name, src in (("p", plain), ("x", explained)):
         assert len(src.seen) == 10 and statistics.stdev(src.seen) > 0
         assert got[f"{name}_score"] == pytest.approx(statistics.fmean(src.seen), abs=1e-6)
@@ -354,24 +349,21 @@ def test_held_out_evaluation_batch_is_independent_of_the_training_batch(tmp_path
     import dataclasses
 
     import torch
-    from ppo_harness import make_trainer, rlhf_args
+    from ppo_harness import evaluate, make_trainer, phase3_data, rlhf_args
 
     from marlhf import embedded
-    from marlhf.data.pipeline import build_phase_data
-    from marlhf.eval.policy import evaluate_policy
 
     nano = embedded.prepare(size="nano").model_dir
     args = rlhf_args(nano, tmp_path, max_eval_samples=8, per_device_generation_batch_size=4,
                      per_device_training_batch_size=4)
     t = make_trainer(args)
-    items = build_phase_data(args, t.tokenizer, phase=3).eval[:8]
+    items = phase3_data(args, t.tokenizer).eval[:8]
     with torch.no_grad():  # an actor away from its reference: the KL tells one sample stream from another
         head = t.rlhf.actor.module.lm_head.weight
         head.add_(0.05 * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
 
     def ev(**over):
-        return evaluate_policy(t.rlhf.actor, t.tokenizer, items, dataclasses.replace(args, **over), {},
-                               ref=t.rlhf.ref, seed=3)
+        return evaluate(t, items, dataclasses.replace(args, **over), {}, ref=t.rlhf.ref, seed=3)
 
     ppo = ev()
     assert ev(per_device_generation_batch_size=2, per_device_eval_generation_batch_size=4) == ppo

@@ -26,6 +26,7 @@ from marlhf.config import RLHFArgs, parse_args
 from marlhf.errors import ConfigError, RewardError, UserError, run_cli
 from marlhf.external_rewards import PythonReward, RemoteReward
 from marlhf.rewards import build_reward_source, evaluation_sources
+from marlhf.tasks import load_task
 
 PROMPTS = ["p0", "p1", "p2"]
 RESPONSES = ["a", "bb cc", "ddd"]
@@ -228,7 +229,7 @@ def test_evaluation_reports_the_users_reward_as_reward(tmp_path):
     assert evaluation_sources("python", source) == {"reward": source}
     remote = build_reward_source("remote", url="http://127.0.0.1:9/score")
     assert evaluation_sources("remote", remote) == {"reward": remote}
-    assert "reward" not in evaluation_sources("gold", None, data_path=["synthetic:num_records=10"])
+    assert "reward" not in evaluation_sources("gold", None, task=load_task("synthetic"))
 
 
 # ------------------------------------------------------------------------------------------ remote: a real server
@@ -428,12 +429,11 @@ def test_step3_with_a_python_reward_logs_and_reports_what_the_function_computed(
         assert summary[policy]["reward_score_se"] == pytest.approx(sd / 2, abs=1e-5)
         assert "rm_score" not in summary[policy] and "gold_score" in summary[policy]
     # the held-out prompts' record meta reached the function (the synthetic task's facts)
-    from marlhf.data.pipeline import build_phase_data
-    from marlhf.models.loading import run_tokenizer
+    from ppo_harness import phase3_data, step3_tokenizer
 
     args, _ = parse_args(RLHFArgs, argv)
-    tok, _ = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
-    assert calls[0]["meta"] == [item["meta"] for item in build_phase_data(args, tok, phase=3).eval]
+    tok, _ = step3_tokenizer(args)
+    assert calls[0]["meta"] == [item["meta"] for item in phase3_data(args, tok).eval]
     assert all("facts" in m for c in calls for m in c["meta"])
     assert (out / "critic").is_dir()  # built from the actor: no reward model was given
     assert "reward none (--reward_source python)" in (out / "train.log").read_text()
@@ -502,7 +502,7 @@ def test_every_estimator_scores_its_experience_with_the_python_reward(nano, tmp_
     exp, stats = t.make_experience(ids, mask, step=0, meta=[{"i": 0}, {"i": 1}])
     (call,) = source.fn.__globals__["CALLS"]
     assert call["meta"] == [{"i": 0}, {"i": 0}, {"i": 1}, {"i": 1}]
-    assert call["ended"] == exp_ended(exp, t.tokenizer, args)
+    assert call["ended"] == exp_ended(exp, t)
     want = [0.1 * len(r) - 1.0 + 0.5 * e for r, e in zip(call["responses"], call["ended"])]
     assert exp.scores.tolist() == pytest.approx(want, abs=1e-6)
     assert stats["reward"] == pytest.approx(mean(want), abs=1e-6)
@@ -510,11 +510,9 @@ def test_every_estimator_scores_its_experience_with_the_python_reward(nano, tmp_
     assert all(math.isfinite(v) for v in t.ppo_update([exp]).values())
 
 
-def exp_ended(exp, tokenizer, args) -> list[bool]:
+def exp_ended(exp, trainer) -> list[bool]:
     """Which answers stopped at the end token, read off the experience: its last real token is a stop token."""
-    from marlhf.models.loading import stop_token_ids
-
-    stops = set(stop_token_ids(tokenizer, args.end_of_conversation_token))
+    stops = set(trainer.gen_cfg.stop_ids)
     P, out = exp.prompt_width, []
     for row, m in zip(exp.seq, exp.attention_mask):
         answer = row[P:][m[P:].bool()].tolist()

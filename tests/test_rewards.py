@@ -14,7 +14,7 @@ from marlhf.data.pipeline import PromptCollator, _pad
 from marlhf.errors import ConfigError
 from marlhf.generation import Samples
 from marlhf.rewards import RewardModelSource, RewardSource, SequenceScorer, build_reward_source, score_samples
-from marlhf.rlhf.tasks import GoldScorer
+from marlhf.tasks import GoldScorer, load_task, task_of_datasets
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_jsonl_keeps_meta(records, tmp_path):
 def test_meta_goes_through_the_tokenized_cache_and_the_collator(tmp_path, records):
     from marlhf import embedded
     from marlhf.config import RLHFArgs, parse_args
-    from marlhf.data.pipeline import build_phase_data, phase_records
+    from marlhf.data.pipeline import DataSection, build_phase_data, phase_records
     from marlhf.data.records import BadRowPolicy
     from marlhf.models.loading import load_tokenizer_and_format
 
@@ -84,9 +84,8 @@ def test_meta_goes_through_the_tokenized_cache_and_the_collator(tmp_path, record
     args, _ = parse_args(RLHFArgs, ["--actor_model_name_or_path", nano, "--data_path", "synthetic:num_records=60",
                                     "--data_output_path", str(tmp_path), "--max_prompt_seq_len", "160"])
     tok, fmt = load_tokenizer_and_format(nano, "", "auto", padding_side="left")
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
-    built = build_phase_data(args, tok, phase=3)
-    cached = build_phase_data(args, tok, phase=3)  # read back from the cache file
+    built = build_phase_data(DataSection.from_args(args, fmt), tok, phase=3)
+    cached = build_phase_data(DataSection.from_args(args, fmt), tok, phase=3)  # read back from the cache file
     assert len(list(tmp_path.glob("rlhf_*.pt"))) == 1
     train_recs, _ = phase_records(args.data_path, args.data_split, 3, args.seed, args.eval_fraction, BadRowPolicy())
     assert [x["meta"] for x in cached.train] == [r.meta for r in train_recs] == [x["meta"] for x in built.train]
@@ -170,9 +169,11 @@ def test_build_reward_source():
     from marlhf.code.reward import ProgramTestReward
     from marlhf.rewards import require_meta
 
-    assert isinstance(build_reward_source("gold", data_path=["synthetic:num_records=10"]), GoldScorer)
-    with pytest.raises(ConfigError, match="needs a task with a gold scorer"):
-        build_reward_source("gold", data_path=["synthetic_code"])
+    assert isinstance(build_reward_source("gold", task=task_of_datasets(["synthetic:num_records=10"])), GoldScorer)
+    with pytest.raises(ConfigError, match="needs a task with a gold scorer.*task is synthetic_code"):
+        build_reward_source("gold", task=load_task("synthetic_code"))
+    with pytest.raises(ConfigError, match="needs a task with a gold scorer.*task is none"):
+        build_reward_source("gold", task=None)
     with pytest.raises(ConfigError, match="needs a reward model"):
         build_reward_source("reward_model")
     tests = build_reward_source("program_tests", workers=2)
@@ -189,9 +190,9 @@ def test_make_experience_hands_the_batch_meta_to_the_reward_source(tmp_path):
 
     nano = embedded.prepare(size="nano").model_dir
     src = Recording()
-    t = make_trainer(rlhf_args(nano, tmp_path, per_device_generation_batch_size=4,
-                               per_device_training_batch_size=4), reward=src)
-    ids, mask = prompts(t.args, t.tokenizer, 4)
+    args = rlhf_args(nano, tmp_path, per_device_generation_batch_size=4, per_device_training_batch_size=4)
+    t = make_trainer(args, reward=src)
+    ids, mask = prompts(args, t.tokenizer, 4)
     meta = [{"k": i} for i in range(4)]
     exp, stats = t.make_experience(ids, mask, step=0, meta=meta)
     (_, responses, got_meta, ended), = src.calls

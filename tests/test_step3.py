@@ -9,6 +9,7 @@ import torch
 from conftest import STEP3, deepspeed_cmd, load_main, run_launcher
 from safetensors.torch import load_file
 
+from marlhf.embedded import default_model
 from marlhf.utils.tracking import read_metrics
 
 
@@ -151,7 +152,7 @@ def _segmenter(rule, **kw):
     from marlhf.rlhf.sections import MacroSection
     from marlhf.rlhf.segmentation import MacroSegmenter
 
-    tok = load_tokenizer("")
+    tok = load_tokenizer(default_model(""))
     section = MacroSection(termination_condition=rule, ngram=kw.get("n", 5), repeat_times=3,
                            split_last=kw.get("macro_reward", "sum") == "compat", response_kind="text",
                            parser_backend="spacy", parser_cutoff=5, parser_model="")

@@ -98,7 +98,6 @@ def test_zero3_loading_partitions_every_model_on_two_ranks(embedded, tmp_path):
 def test_loading_in_the_run_dtype(embedded):
     """No fp32 copy of a bf16 run's model: the weights arrive in bf16, the saved values rounded once."""
     from marlhf import embedded as emb
-    from marlhf.config import SFTArgs, parse_args
     from marlhf.models.loading import load_causal_lm, load_options
 
     folder = str(emb.prepare(size="nano").model_dir)
@@ -109,11 +108,10 @@ def test_loading_in_the_run_dtype(embedded):
     name = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(state[name], saved[name].bfloat16())
 
-    args, _ = parse_args(SFTArgs, ["--dtype", "bf16", "--zero_stage", "3", "--offload"])
-    opts = load_options(args)
+    opts = load_options("bf16", zero_stage=3, offload=True)
     assert opts["dtype"] == torch.bfloat16
     assert opts["ds_config"]["zero_optimization"]["stage"] == 3
     assert opts["ds_config"]["zero_optimization"]["offload_param"] == {"device": "cpu"}  # as the engine's
     assert opts["ds_config"]["bf16"] == {"enabled": True}
-    args, _ = parse_args(SFTArgs, ["--zero_stage", "2"])
-    assert load_options(args) == {"dtype": torch.float32, "ds_config": None}  # stages 0-2 hold full tensors
+    # stages 0-2 hold full tensors
+    assert load_options("fp32", zero_stage=2, offload=False) == {"dtype": torch.float32, "ds_config": None}

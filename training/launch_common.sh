@@ -51,17 +51,23 @@ SAMPLES_PER_PROMPT=1       # step 3: answers per prompt (K of RLOO / GRPO); PPO_
 DEVICE=GPU                 # what one rank is called in error messages
 
 # -------------------------------------------------------------------------------------------- the tasks
-# text_task LABEL: TASK (default tldr) must be one of the paper's text tasks; LABEL names the script in the
-# error.  B.2: the data is split 20% SFT / 40% reward model / 40% PPO; prompts <= 512, answers <= 512 tokens.
+# task_values NAME: the task registry's view of a task (marlhf/tasks.py, applications/<task>/task.json): its name,
+# default dataset, data split and lengths, as shell assignments.
+task_values() {
+    local values
+    values=$(python -m marlhf.tasks "$1") || die "no task '$1' in the task registry (applications/*/task.json)"
+    eval "$values"
+}
+
+# text_task LABEL: TASK (default tldr) must be one of the paper's text tasks (by name or alias); LABEL names the
+# script in the error.  B.2: the data is split 20% SFT / 40% reward model / 40% PPO; prompts <= 512, answers <= 512
+# tokens (the tasks' launch values).
 text_task() {
     TASK=${TASK:-tldr}
     case "$TASK" in
-        tldr)   DATASET=openai/summarize_from_feedback ;;
-        hh)     DATASET=Dahoas/full-hh-rlhf ;;
-        webgpt) DATASET=openai/webgpt_comparisons ;;
+        tldr|hh|webgpt) task_values "$TASK" ;;
         *) die "TASK must be tldr, hh or webgpt for $1 (got '$TASK')" ;;
     esac
-    DATA_SPLIT=2,4,4 PROMPT_LEN=512 ANSWER_LEN=512
 }
 
 # code_task: APPS, the CodeGemma scripts' only task.  B.2: no preference pairs, hence no step 2 and a
@@ -69,7 +75,7 @@ text_task() {
 code_task() {
     TASK=${TASK:-apps}
     [[ "$TASK" == apps ]] || die "TASK must be apps for CodeGemma (got '$TASK')"
-    DATASET=codeparrot/apps DATA_SPLIT=2,0,8 PROMPT_LEN=600 ANSWER_LEN=512
+    task_values "$TASK"
 }
 
 # tiny_task: the embedded synthetic task (a miniature TL;DR) of the tiny scripts, sized for 2 CPU cores:
@@ -78,7 +84,8 @@ tiny_task() {
     TASK=${TASK:-synthetic}
     [[ "$TASK" == synthetic ]] \
         || die "tiny scripts run the synthetic task, not TASK=$TASK; set DATA_PATH instead"
-    DATASET=synthetic DATA_SPLIT=2,4,4 PROMPT_LEN=192 ANSWER_LEN=64 DTYPE=fp32 DEVICE=rank
+    task_values synthetic
+    DTYPE=fp32 DEVICE=rank
 }
 
 # tiny_code_task: the generated code task of the tiny code scripts (synthetic_code: one-line arithmetic
@@ -91,7 +98,8 @@ tiny_code_task() {
     TASK=${TASK:-synthetic_code}
     [[ "$TASK" == synthetic_code ]] \
         || die "tiny code scripts run the synthetic_code task, not TASK=$TASK; set DATA_PATH instead"
-    DATASET=synthetic_code:num_records=2000,operations=2,max_constant=3,flaw_rate=0.5 DATA_SPLIT=2,0,8 PROMPT_LEN=128 ANSWER_LEN=48 DTYPE=fp32 DEVICE=rank
+    task_values synthetic_code
+    DTYPE=fp32 DEVICE=rank
 }
 
 # by_task tldr=V1 hh=V2 webgpt=V3: the value listed for $TASK, for Table 5 rows that differ by task.
@@ -168,13 +176,13 @@ ppo_batches() {
 # --------------------------------------------------------------------------------------------- the flags
 # They build FLAGS, main.py's flags in the order the scripts always passed them.
 
-# data_flags: the dataset(s) (DATA_PATH, space-separated, default the task's), split and cache; hub models
+# data_flags: the task, its dataset(s) (DATA_PATH, space-separated, default the task's), split and cache; hub models
 # also skip over-long rows (BAD_ROWS, default skip: dropped and counted in the log) and end every answer
 # with their own end-of-text token.
 data_flags() {
     local -a data_path
     read -r -a data_path <<< "${DATA_PATH:-$DATASET}"
-    FLAGS+=(--data_path "${data_path[@]}" --data_split "$DATA_SPLIT"
+    FLAGS+=(--data_path "${data_path[@]}" --task "$TASK_NAME" --data_split "$DATA_SPLIT"
             --data_output_path "${DATA_OUTPUT_PATH:-/tmp/data_files}")
     if [[ -n "$EOS_TOKEN" ]]; then
         FLAGS+=(--bad_rows "${BAD_ROWS:-skip}" --end_of_conversation_token "$EOS_TOKEN")

@@ -23,7 +23,7 @@ import torch
 
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.best_of_n import best_of_n, plot, table_rows, to_csv, to_markdown
-from marlhf.eval.generate import LoadedPolicy, add_prompt_args, add_sampling_args, batch_seed, load_prompts
+from marlhf.eval.generate import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, batch_seed
 from marlhf.eval.reward import Scorer, gold_scorer
 
 log = logging.getLogger("marlhf")
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     if min(args.n) < 1 or min(args.temperatures) <= 0:
         raise ConfigError(f"--n must be >= 1 and --temperatures > 0, got {args.n} and {args.temperatures}")
     ns, n_max = sorted(set(args.n)), max(args.n)
-    prompts = load_prompts(args)
+    prompts = PromptSource.from_args(args).load()
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
                           device=args.device, dtype=args.dtype)
     rm = Scorer(args.reward_model, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)

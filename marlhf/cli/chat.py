@@ -15,10 +15,10 @@ import argparse
 import logging
 import sys
 
-from marlhf.applications import load_application
 from marlhf.errors import run_cli
 from marlhf.eval.chat import ChatSession
 from marlhf.eval.generate import LoadedPolicy, add_sampling_args
+from marlhf.tasks import load_task
 
 USER_PROMPT = "You> "
 
@@ -26,7 +26,9 @@ USER_PROMPT = "You> "
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sampling_args(p, temperature=0.8)
-    p.add_argument("--task", default="dialogue", help="applications/<task>: the turn format and post-processing")
+    p.add_argument("--task", default="dialogue",
+                   help="The task (marlhf/tasks.py: a name, alias or folder): the turn format and "
+                   "post-processing")
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="Answer k samples under a seed derived from this and k")
     p.add_argument("--show_prompt", action="store_true", help="Print the model's input before each answer")
@@ -36,7 +38,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-    app = load_application(args.task)
+    app = load_task(args.task)
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
                           device=args.device, dtype=args.dtype)
     chat = ChatSession(policy, app, max_new_tokens=args.max_new_tokens, max_prompt_len=args.max_prompt_len,

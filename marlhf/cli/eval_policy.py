@@ -15,45 +15,49 @@ import json
 import sys
 from pathlib import Path
 
+from marlhf.cli._run import reward_source, start
 from marlhf.config import PolicyEvalArgs, parse_args
 from marlhf.data.formatting import check_same_format
-from marlhf.data.pipeline import build_phase_data
+from marlhf.data.pipeline import DataSection, build_phase_data
 from marlhf.errors import run_cli
 from marlhf.eval.generate import policy_folder
 from marlhf.eval.policy import evaluate_policy
-from marlhf.models.loading import load_causal_lm, load_reward_model, resolve_model_path, run_tokenizer
-from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources, reward_source_from_args
+from marlhf.generation import GenerationConfig
+from marlhf.models.loading import load_causal_lm, load_reward_model, resolve_model_path, stop_token_ids
+from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
+from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
-from marlhf.utils.run import setup_run
 
 
 def main(argv=None):
     args, _ = parse_args(PolicyEvalArgs, argv)
-    args.actor_model_name_or_path = policy_folder(args.actor_model_name_or_path, "actor")
-    setup_run(args)
-    # 1. the policy's tokenizer and format, and step 3's held-out prompts
-    tokenizer, fmt = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
+    # 1. the policy (a step-3 output folder: its actor/), its tokenizer and format, and step 3's held-out prompts
+    run = start(args, "actor_model_name_or_path", padding_side="left",
+                model=policy_folder(args.actor_model_name_or_path, "actor"))
+    tokenizer, fmt = run.tokenizer, run.fmt
     rm_path = args.reward_model_name_or_path or args.critic_model_name_or_path
     check_same_format(fmt, rm_path, args.ref_model_name_or_path)
-    data = build_phase_data(args, tokenizer, phase=3)
+    data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=3)
 
     # 2. the policy, the reference (for the KL) and the reward model, all frozen
     def frozen(model):
         return frozen_engine(model, zero_stage=args.actor_zero_stage, offload=args.offload_reference_model,
                              dtype=args.dtype)
 
-    actor = frozen(load_causal_lm(resolve_model_path(args.actor_model_name_or_path), tokenizer, 0.0,
+    actor = frozen(load_causal_lm(resolve_model_path(run.model), tokenizer, 0.0,
                                   end_of_conversation_token=fmt.end_of_conversation_token))
     ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0)) \
         if args.ref_model_name_or_path else None
     reward_model = frozen(load_reward_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
     # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests / user's reward
-    reward = reward_source_from_args(args) \
+    reward = reward_source(args, run.task) \
         if args.reward_source in OWN_EVALUATION_NAMES else None  # the other two are reported whenever available
-    sources = evaluation_sources(args.reward_source, reward, reward_model, args.data_path)
-    result = evaluate_policy(actor, tokenizer, data.eval, args, sources, ref=ref)
-    result["policy"] = args.actor_model_name_or_path
+    sources = evaluation_sources(args.reward_source, reward, reward_model, run.task)
+    generation = GenerationConfig.from_args(args, stop_token_ids(tokenizer, fmt.end_of_conversation_token),
+                                            tokenizer.pad_token_id)
+    result = evaluate_policy(actor, tokenizer, data.eval, EvalSection.from_args(args), generation, sources, ref=ref)
+    result["policy"] = run.model
     if dist.is_main():
         (Path(args.output_dir) / "eval.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1))

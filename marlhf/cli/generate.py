@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from marlhf.errors import run_cli
-from marlhf.eval.generate import LoadedPolicy, add_prompt_args, add_sampling_args, generate_file, load_prompts
+from marlhf.eval.generate import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, generate_file
 
 
 def parse_args(argv=None):
@@ -46,7 +46,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    prompts = load_prompts(args)
+    prompts = PromptSource.from_args(args).load()
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
                           device=args.device, dtype=args.dtype)
     name = args.policy_name or (Path(args.model).name if args.model else "embedded")

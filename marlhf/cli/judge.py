@@ -25,10 +25,10 @@ import os
 import sys
 from pathlib import Path
 
-from marlhf.applications import load_application
 from marlhf.data.records import DataError
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.judge import ChatCompletionsJudge, compare_policies, summarize
+from marlhf.tasks import load_task
 
 
 def read_responses(path: str) -> list[tuple[str, int, str, str]]:
@@ -80,7 +80,9 @@ def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, help="applications/<task> folder name or path")
+    parser.add_argument("--task", required=True,
+                        help="The task (marlhf/tasks.py): a name (summarization, dialogue, ...), "
+                        "alias (tldr, hh, ...) or folder")
     parser.add_argument("--a", required=True, help="jsonl of policy A's responses")
     parser.add_argument("--b", required=True, help="jsonl of policy B's responses")
     parser.add_argument("--judge", default="api", choices=("api", "reward_model", "gold"),
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=None, help="jsonl: one row per pair (order shown, answer, outcome)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    app = load_application(args.task)
+    app = load_task(args.task)
     pairs = read_pairs(args.a, args.b)
     if args.judge == "api":
         if not args.base_url or not args.model:

@@ -49,7 +49,7 @@ def annotator(spec: str):
     """The scorer behind ``--annotator``: (prompts, responses, ended) -> scores."""
     kind, _, arg = spec.partition(":")
     if kind == "gold" and not arg:
-        from marlhf.rlhf.tasks import GoldScorer
+        from marlhf.tasks import GoldScorer
 
         gold = GoldScorer()
         return lambda prompts, responses, ended: gold(list(prompts), list(responses), list(ended))

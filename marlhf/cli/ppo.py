@@ -15,45 +15,50 @@ import json
 import sys
 from pathlib import Path
 
+from marlhf.cli._run import start, step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
-from marlhf.data.pipeline import build_phase_data, plan_steps
+from marlhf.data.pipeline import DataSection, build_phase_data, plan_steps
 from marlhf.errors import run_cli
 from marlhf.eval.policy import evaluate_policy
 from marlhf.models.export import export_hf
-from marlhf.models.loading import run_tokenizer
-from marlhf.rewards import evaluation_sources, require_meta, reward_source_from_args
-from marlhf.rlhf.rlhf_engine import build_rlhf_engine
-from marlhf.rlhf.tasks import ptx_items
-from marlhf.rlhf.trainer import MAPPOTrainer
+from marlhf.rewards import evaluation_sources, require_meta
+from marlhf.rlhf.ptx import ptx_items
+from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
 from marlhf.utils.checkpoint import resumed_record
-from marlhf.utils.run import setup_run
+from marlhf.utils.run import record_run_context
 
 
 def main(argv=None):
     args, _ = parse_args(RLHFArgs, argv)
-    setup_run(args)
-    # 1. tokenizer (left padding for generation) and the RLHF share of the prompts
-    #    (end-of-answer token and prompt format: the flags, else what step 1 recorded in the actor's folder)
-    tokenizer, fmt = run_tokenizer(args, args.actor_model_name_or_path, padding_side="left")
-    check_same_format(fmt, args.critic_model_name_or_path, args.reward_model_name_or_path)
-    data = build_phase_data(args, tokenizer, phase=3)
+    # 1. the run: tokenizer (left padding for generation), format (the flags, else what step 1 recorded in the
+    #    actor's folder), task, model paths and response kind; the RLHF share of the prompts
+    run = start(args, "actor_model_name_or_path", padding_side="left")
+    tokenizer, fmt, task = run.tokenizer, run.fmt, run.task
+    context = step3_context(args, run.model, task)
+    record_run_context(args.output_dir, **context)
+    check_same_format(fmt, context["critic_model_name_or_path"], context["reward_model_name_or_path"])
+    data_section = DataSection.from_args(args, fmt)
+    data = build_phase_data(data_section, tokenizer, phase=3)
     if args.reward_source == "program_tests":  # each prompt's unit tests must have come through the cache
         require_meta(data.train + data.eval, "input_output", "--reward_source program_tests")
     _, total_steps = plan_steps(len(data.train), args.per_device_generation_batch_size, args.generation_batches,
                                 args.num_train_epochs, args.max_steps, what="prompts")
-    # 2. actor / reference / critic / reward (+ EMA) engines
-    rlhf = build_rlhf_engine(args, tokenizer, total_steps)
-    # 3. the reward source (reward model, gold scorer, program tests, the user's function or server) and what
-    #    the evaluation reports
-    reward = reward_source_from_args(args, rlhf.reward)
-    trainer = MAPPOTrainer(args, rlhf, tokenizer, reward=reward)
-    sources = evaluation_sources(args.reward_source, reward, rlhf.reward, args.data_path)
+    # 2. actor / reference / critic / reward (+ EMA) engines, and the reward source (reward model, gold scorer,
+    #    program tests, the user's function or server) in the MA-PPO recipe
+    trainer, learning_rates = step3_trainer(args, run.model, tokenizer, fmt, context, task, total_steps)
+    record_run_context(args.output_dir, learning_rates=learning_rates)
+    rlhf = trainer.rlhf
+    # 3. what the held-out evaluation reports: the reward model's score, the gold score, the training reward
+    sources = evaluation_sources(args.reward_source, trainer.reward, rlhf.reward, task)
     # 4. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps, with
     #    the KL to the reference), then the final policy
+    eval_section = EvalSection.from_args(args)
+
     def evaluate():
-        return evaluate_policy(rlhf.actor, tokenizer, data.eval, args, sources, ref=rlhf.ref)
+        return evaluate_policy(rlhf.actor, tokenizer, data.eval, eval_section, trainer.gen_cfg, sources,
+                               ref=rlhf.ref)
 
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too
     before = resumed_record(initial, args.resume)  # read on rank 0, so all ranks evaluate or none
@@ -61,7 +66,9 @@ def main(argv=None):
         before = evaluate()
         if dist.is_main():
             initial.write_text(json.dumps(before))
-    steps = trainer.train(data.train, ptx_items(args, tokenizer), evaluate=evaluate)
+    ptx = ptx_items(args.unsupervised_dataset_name, tokenizer, data_section, args.max_answer_seq_len) \
+        if args.unsup_coef != 0 else None
+    steps = trainer.train(data.train, ptx, evaluate=evaluate)
     after = evaluate()
     # 5. export actor / critic / EMA as Hugging Face folders and write the summary
     out = Path(args.output_dir)

@@ -10,32 +10,38 @@ plain transformers then loads the score head only, load_reward_model both.
 
 import sys
 
+from marlhf.cli._run import start
 from marlhf.config import RewardArgs, parse_args
-from marlhf.data.pipeline import build_phase_data
+from marlhf.data.pipeline import DataSection, build_phase_data
 from marlhf.errors import run_cli
+from marlhf.loop import LoopSection
 from marlhf.models.export import export_hf
-from marlhf.models.loading import load_options, load_reward_model, run_tokenizer
+from marlhf.models.loading import load_options, load_reward_model
 from marlhf.models.lora import apply_lora
-from marlhf.supervised import reward_objective, train
-from marlhf.utils.run import setup_run
+from marlhf.supervised import SupervisedSection, reward_objective, train
+from marlhf.utils.ds_engine import with_learning_rate
+from marlhf.utils.run import record_run_context
 
 
 def main(argv=None):
     args, _ = parse_args(RewardArgs, argv)
-    setup_run(args)
-    # 1. tokenizer and the reward-model share of the data: (chosen, rejected) pairs
-    tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
-    data = build_phase_data(args, tokenizer, phase=2)
+    # 1. the run, its tokenizer and the reward-model share of the data: (chosen, rejected) pairs
+    run = start(args, "model_name_or_path")
+    tokenizer, fmt = run.tokenizer, run.fmt
+    data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
-    model = load_reward_model(args.model_name_or_path, tokenizer, args.dropout, likelihood_term=args.likelihood_term,
-                              **load_options(args))
+    model = load_reward_model(run.model, tokenizer, args.dropout, likelihood_term=args.likelihood_term,
+                              **load_options(args.dtype, args.zero_stage, args.offload))
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
     # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)
     objective = reward_objective(tokenizer.pad_token_id, args.label_smoothing, args.reward_loss)
-    engine = train(args, model, tokenizer, data.train, data.eval, objective)
+    engine = with_learning_rate(args.engine(), model)
+    record_run_context(args.output_dir, learning_rate=engine.learning_rate)
+    model = train(model, data.train, data.eval, objective, SupervisedSection.from_args(args), engine,
+                  LoopSection.from_args(args))
     # 4. export as a Hugging Face sequence-classification model
-    export_hf(engine, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
+    export_hf(model, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
 
 
 if __name__ == "__main__":

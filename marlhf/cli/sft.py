@@ -7,32 +7,38 @@ With no --model_name_or_path the embedded tiny model is used (built offline on f
 
 import sys
 
+from marlhf.cli._run import start
 from marlhf.config import SFTArgs, parse_args
-from marlhf.data.pipeline import build_phase_data
+from marlhf.data.pipeline import DataSection, build_phase_data
 from marlhf.errors import run_cli
+from marlhf.loop import LoopSection
 from marlhf.models.export import export_hf
-from marlhf.models.loading import load_causal_lm, load_options, run_tokenizer
+from marlhf.models.loading import load_causal_lm, load_options
 from marlhf.models.lora import apply_lora
-from marlhf.supervised import sft_objective, train
-from marlhf.utils.run import setup_run
+from marlhf.supervised import SupervisedSection, sft_objective, train
+from marlhf.utils.ds_engine import with_learning_rate
+from marlhf.utils.run import record_run_context
 
 
 def main(argv=None):
     args, _ = parse_args(SFTArgs, argv)
-    setup_run(args)
-    # 1. tokenizer and the SFT share of the data (tokenized once, cached under --data_output_path)
-    #    (end-of-answer token and prompt format: the flags, else the model folder's own; recorded on export)
-    tokenizer, fmt = run_tokenizer(args, args.model_name_or_path)
-    data = build_phase_data(args, tokenizer, phase=1)
+    # 1. the run, its tokenizer and format (the flags, else the model folder's own; recorded on export) and the
+    #    SFT share of the data (tokenized once, cached under --data_output_path)
+    run = start(args, "model_name_or_path")
+    tokenizer, fmt = run.tokenizer, run.fmt
+    data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=1)
     # 2. the policy, optionally with LoRA adapters
-    model = load_causal_lm(args.model_name_or_path, tokenizer, args.dropout,
-                           end_of_conversation_token=fmt.end_of_conversation_token, **load_options(args))
+    model = load_causal_lm(run.model, tokenizer, args.dropout, end_of_conversation_token=fmt.end_of_conversation_token,
+                           **load_options(args.dtype, args.zero_stage, args.offload))
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
     # 3. train under DeepSpeed (evaluates perplexity, checkpoints, resumes)
-    engine = train(args, model, tokenizer, data.train, data.eval, sft_objective(tokenizer.pad_token_id))
+    engine = with_learning_rate(args.engine(), model)
+    record_run_context(args.output_dir, learning_rate=engine.learning_rate)
+    model = train(model, data.train, data.eval, sft_objective(tokenizer.pad_token_id),
+                  SupervisedSection.from_args(args), engine, LoopSection.from_args(args))
     # 4. export a plain Hugging Face model (ZeRO-3 weights gathered, LoRA merged)
-    export_hf(engine, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
+    export_hf(model, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
 
 
 if __name__ == "__main__":

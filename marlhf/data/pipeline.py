@@ -194,34 +194,66 @@ class PhaseData:
     eval_records: list[Record]
 
 
-def build_phase_data(args, tokenizer, phase: int) -> PhaseData:
+@dataclass(frozen=True)
+class DataSection:
+    """What a step's data is (:func:`build_phase_data`): the datasets and their split, the held-out slice, the
+    length rules, and the conversation format in force (the run's resolved end token and prompt format)."""
+
+    data_path: tuple[str, ...]
+    data_split: str
+    data_output_path: str
+    split_seed: int  # --data_seed, else --seed
+    eval_fraction: float
+    max_eval_samples: int
+    bad_rows: str
+    long_prompts: str
+    max_seq_len: int  # prompt + response (steps 1-2; 0 in step 3)
+    max_prompt_seq_len: int  # the prompt's limit (step 3's flag; steps 1-2: --max_seq_len)
+    end_of_conversation_token: str
+    prompt_format: str
+
+    @classmethod
+    def from_args(cls, args, fmt=None) -> DataSection:
+        """A step's data flags, with ``fmt`` (the :class:`~marlhf.data.formatting.ConversationFormat` the run
+        resolved) for the end token and prompt format (the flags' values without one)."""
+        max_seq_len = getattr(args, "max_seq_len", 0)
+        return cls(data_path=tuple(args.data_path), data_split=args.data_split,
+                   data_output_path=args.data_output_path, split_seed=args.split_seed,
+                   eval_fraction=args.eval_fraction, max_eval_samples=args.max_eval_samples, bad_rows=args.bad_rows,
+                   long_prompts=args.long_prompts, max_seq_len=max_seq_len,
+                   max_prompt_seq_len=getattr(args, "max_prompt_seq_len", max_seq_len),
+                   end_of_conversation_token=fmt.end_of_conversation_token if fmt else args.end_of_conversation_token,
+                   prompt_format=fmt.prompt_format if fmt else args.prompt_format)
+
+
+def build_phase_data(data: DataSection, tokenizer, phase: int) -> PhaseData:
     """Tokenized train/eval examples of ``phase``, from the cache under ``--data_output_path`` when present.
 
     The first rank of every node builds and writes the cache atomically (nodes need not share a file
     system; on a shared one the identical writes replace each other atomically); the other ranks wait
     and read it."""
-    max_seq_len = getattr(args, "max_seq_len", 0)
-    max_prompt = getattr(args, "max_prompt_seq_len", max_seq_len)
-    key = cache_key(specs=args.data_path, split=args.data_split, phase=phase, seed=args.split_seed,
-                    eval_fraction=args.eval_fraction, max_eval=args.max_eval_samples,
+    specs = list(data.data_path)
+    key = cache_key(specs=specs, split=data.data_split, phase=phase, seed=data.split_seed,
+                    eval_fraction=data.eval_fraction, max_eval=data.max_eval_samples,
                     tokenizer=[type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer),
-                               tokenizer.padding_side], eot=args.end_of_conversation_token,
-                    prompt_format=args.prompt_format, long_prompts=args.long_prompts,
-                    max_seq_len=max_seq_len, max_prompt=max_prompt, bad_rows=args.bad_rows,
-                    sources=[_source_fingerprint(s) for s in args.data_path])
-    path = Path(args.data_output_path) / f"{PHASES[phase]}_{key}.pt"
+                               tokenizer.padding_side], eot=data.end_of_conversation_token,
+                    prompt_format=data.prompt_format, long_prompts=data.long_prompts,
+                    max_seq_len=data.max_seq_len, max_prompt=data.max_prompt_seq_len, bad_rows=data.bad_rows,
+                    sources=[_source_fingerprint(s) for s in specs])
+    path = Path(data.data_output_path) / f"{PHASES[phase]}_{key}.pt"
     with dist.work_for_all():  # the others wait; a bad row stops every rank with one message
         if dist.is_local_main() and not path.exists():
-            policy = BadRowPolicy(args.bad_rows)
-            train_recs, eval_recs = phase_records(args.data_path, args.data_split, phase, args.split_seed,
-                                                  args.eval_fraction, policy)
-            long_prompts = LongPromptPolicy(args.long_prompts)
-            kw = dict(eot=args.end_of_conversation_token, max_seq_len=max_seq_len, max_prompt_len=max_prompt,
-                      policy=policy, prompt_format=args.prompt_format, long_prompts=long_prompts)
+            policy = BadRowPolicy(data.bad_rows)
+            train_recs, eval_recs = phase_records(specs, data.data_split, phase, data.split_seed,
+                                                  data.eval_fraction, policy)
+            long_prompts = LongPromptPolicy(data.long_prompts)
+            kw = dict(eot=data.end_of_conversation_token, max_seq_len=data.max_seq_len,
+                      max_prompt_len=data.max_prompt_seq_len, policy=policy, prompt_format=data.prompt_format,
+                      long_prompts=long_prompts)
             train = tokenize_phase(train_recs, phase, tokenizer, **kw)
             # --max_eval_samples counts examples kept after the length rules, not records read
             kept: list[Record] = []
-            evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw, limit=args.max_eval_samples, kept=kept)
+            evaluation = tokenize_phase(eval_recs, phase, tokenizer, **kw, limit=data.max_eval_samples, kept=kept)
             eval_recs = kept
             log.info("phase %d data: %d train / %d eval examples; %s; %s", phase, len(train), len(evaluation),
                      long_prompts.summary("--max_prompt_seq_len" if phase == 3 else "--max_seq_len"), policy.summary())

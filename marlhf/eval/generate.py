@@ -89,10 +89,11 @@ def prompts_from_dataset(specs: Sequence[str], split: str, *, data_split: str, s
 def policy_folder(path: str, model: str = "actor") -> str:
     """The model folder to sample from: ``path`` itself (an HF folder or hub name), step 3's ``model``
     sub-folder when ``path`` is a step-3 output, or the embedded default when empty."""
+    from marlhf.embedded import default_model
     from marlhf.models.loading import resolve_model_path
 
     if not path or not Path(path).expanduser().is_dir():
-        return resolve_model_path(path)
+        return resolve_model_path(default_model(path))
     from marlhf.models.card import locate
 
     src = locate(path, model)
@@ -307,12 +308,34 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_prompts", type=int, default=0, help="Use the first N prompts (0: all)")
 
 
-def load_prompts(args) -> list[Prompt]:
-    if args.prompts:
-        prompts = prompts_from_file(args.prompts)
-    else:
-        prompts = prompts_from_dataset(args.data_path, args.split, data_split=args.data_split, seed=args.data_seed,
-                                       eval_fraction=args.eval_fraction, bad_rows=args.bad_rows, phase=args.phase)
-    if args.max_prompts < 0:
-        raise ConfigError(f"--max_prompts must be >= 0, got {args.max_prompts}")
-    return prompts[:args.max_prompts] if args.max_prompts else prompts
+@dataclasses.dataclass(frozen=True)
+class PromptSource:
+    """Where a tool's prompts come from (the flags of :func:`add_prompt_args`): a prompt file, or a dataset's
+    share of rows split as training split it."""
+
+    prompts: str | None
+    data_path: tuple[str, ...]
+    split: str
+    phase: int
+    data_split: str
+    data_seed: int
+    eval_fraction: float
+    bad_rows: str
+    max_prompts: int  # the first N (0: all)
+
+    @classmethod
+    def from_args(cls, args) -> PromptSource:
+        return cls(prompts=args.prompts, data_path=tuple(args.data_path or ()), split=args.split, phase=args.phase,
+                   data_split=args.data_split, data_seed=args.data_seed, eval_fraction=args.eval_fraction,
+                   bad_rows=args.bad_rows, max_prompts=args.max_prompts)
+
+    def load(self) -> list[Prompt]:
+        if self.max_prompts < 0:
+            raise ConfigError(f"--max_prompts must be >= 0, got {self.max_prompts}")
+        if self.prompts:
+            prompts = prompts_from_file(self.prompts)
+        else:
+            prompts = prompts_from_dataset(list(self.data_path), self.split, data_split=self.data_split,
+                                           seed=self.data_seed, eval_fraction=self.eval_fraction,
+                                           bad_rows=self.bad_rows, phase=self.phase)
+        return prompts[:self.max_prompts] if self.max_prompts else prompts

@@ -55,8 +55,3 @@ def resolve_placement(device: str = "auto", dtype: str | torch.dtype = "auto") -
         raise ConfigError("--dtype fp16 on the CPU: many CPU kernels have no fp16 version or run it slower than "
                           "fp32; use --dtype bf16 or fp32 (or a GPU)")
     return Placement(dev, dt)
-
-
-def placement_of(args) -> Placement:
-    """The placement a tool's parsed flags ask for (``auto`` where a tool has no such flag)."""
-    return resolve_placement(getattr(args, "device", "auto"), getattr(args, "dtype", "auto"))

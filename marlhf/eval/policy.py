@@ -9,10 +9,9 @@ import torch
 
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, make_loader
 from marlhf.generation import GenerationConfig, decode_samples, sample
-from marlhf.models.loading import stop_token_ids
 from marlhf.rewards import score_samples
 from marlhf.rlhf.rollout import policy_logprobs
-from marlhf.rlhf.sections import logprob_temperature
+from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
 from marlhf.utils.optim_step import all_reduce_sum
 from marlhf.utils.rng import isolated_rng
@@ -26,7 +25,8 @@ def _fields(name: str, source) -> dict[str, str]:
 
 
 @torch.no_grad()
-def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, seed: int = 0, ref=None) -> dict:
+def evaluate_policy(actor, tokenizer, prompts: list[dict], section: EvalSection, generation: GenerationConfig,
+                    sources: dict, seed: int = 0, ref=None) -> dict:
     """Mean answer length and EOS rate, and the mean score of each reward source in ``sources`` (name ->
     source, e.g. ``{"rm": ..., "gold": ...}`` gives ``rm_score``, ``gold_score`` and the gold components) of
     the actor's answers to held-out prompts, sampled with the training settings under a fixed seed that
@@ -35,11 +35,8 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
     total also gets its standard error over the answers, ``<name>_score_se`` (sample standard deviation /
     √n): 64 held-out answers leave ~0.04 on the embedded task's gold score, so a reader sees what a
     difference between two policies is worth."""
-    stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
     pad = tokenizer.pad_token_id
-    gen_cfg = GenerationConfig.from_args(args, stop_ids, pad)
-    batch = args.per_device_eval_generation_batch_size or args.per_device_generation_batch_size
-    loader = make_loader(prompts, batch,
+    loader = make_loader(prompts, section.batch,
                          ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
     dev = dist.device()
     fields = {name: _fields(name, src) for name, src in sources.items()}
@@ -50,7 +47,7 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
     with isolated_rng(seed + dist.rank()):  # training's CPU and accelerator streams continue afterwards
         for batch in loader:
             p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
-            out = sample(actor, p_ids, p_mask, gen_cfg, zero3_generation=args.zero3_generation)
+            out = sample(actor, p_ids, p_mask, generation, zero3_generation=section.zero3_generation)
             sums, squares = [out.answer_mask.sum().item(), out.ended.sum().item()], []
             for name, src in sources.items():
                 if len(fields[name]) > 1:  # a source that explains itself: the components next to the total
@@ -63,7 +60,7 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], args, sources: dict, 
                     sums.append(scores.sum().item())
                     squares.append(scores.square().sum().item())
             if ref is not None:
-                T = logprob_temperature(args)  # the KL of training's π and π_ref (--logprob_temperature)
+                T = section.logprob_temperature  # the KL of training's π and π_ref (--logprob_temperature)
                 lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width, T)
                 lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width, T)
                 sums.append(torch.where(out.answer_mask, lp - lp_ref, 0.0).sum().item())

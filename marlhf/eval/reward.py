@@ -91,23 +91,33 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, e
     return out
 
 
-def recorded_data_path(model_dir: str) -> list[str] | None:
-    """The --data_path of the run that wrote ``model_dir`` (its args.json, beside it or one level up)."""
+def recorded_task(model_dir: str):
+    """The task of the run that wrote ``model_dir`` (its args.json, beside it or one level up): the task it
+    resolved (its run context), else the task of its recorded --data_path; None when it had none."""
+    from marlhf.tasks import load_task, task_of_datasets
+    from marlhf.utils.run import RUN_CONTEXT
+
     for folder in (Path(model_dir), Path(model_dir).parent):
         path = folder / "args.json"
         if path.is_file():
-            return json.loads(path.read_text()).get("data_path")
+            recorded = json.loads(path.read_text())
+            if RUN_CONTEXT in recorded:
+                name = recorded[RUN_CONTEXT].get("task")
+                return load_task(name) if name else None
+            return task_of_datasets(recorded.get("data_path") or [])
     return None
 
 
 def gold_scorer(mode: str, data_path: list[str] | None, reward_model: str):
-    """``--gold``: "off" None, "on" the embedded task's gold scorer, "auto" it when the data (``data_path``, else
-    the reward model's training data) is the embedded synthetic task.  Called as ``(prompts, answers[, ended])``."""
+    """``--gold``: "off" None, "on" the embedded task's gold scorer, "auto" the gold scorer of the task (the task
+    declaring ``data_path``'s datasets, else the reward model's run's task) when it has one.  Called as
+    ``(prompts, answers[, ended])``."""
     from marlhf.data.synthetic import gold_scores
-    from marlhf.rlhf.tasks import gold_scorer_for
+    from marlhf.tasks import task_of_datasets
 
     if mode == "off":
         return None
     if mode == "on":
         return gold_scores
-    return gold_scorer_for(data_path or recorded_data_path(reward_model) or [])
+    task = task_of_datasets(data_path) if data_path else recorded_task(reward_model)
+    return task.gold() if task is not None else None

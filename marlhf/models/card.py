@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
+from marlhf.embedded import default_model
 from marlhf.errors import ConfigError
+from marlhf.utils.run import recorded_value
 
 log = logging.getLogger("marlhf")
 
@@ -111,22 +113,27 @@ def final_metrics(run_dir: Path) -> dict[str, tuple[int, float]]:
     return out
 
 
-def base_model_of(args: dict, step: int) -> str:
+def base_model_of(recorded: dict, step: int) -> str:
+    """The model a step started from, as its ``args.json`` records it."""
     key = "actor_model_name_or_path" if step == 3 else "model_name_or_path"
-    return args.get(key) or "the embedded default tiny model (marlhf.embedded)"
+    if recorded.get(key):
+        return recorded[key]
+    resolved = recorded_value(recorded, key)
+    return "the embedded default tiny model (marlhf.embedded" + (f", {resolved})" if resolved else ")")
 
 
-def render_model_card(src: StepOutput, args: dict, metrics: dict[str, tuple[int, float]], eot: str,
+def render_model_card(src: StepOutput, recorded: dict, metrics: dict[str, tuple[int, float]], eot: str,
                       prompt_format: str) -> str:
-    data = args.get("data_path") or []
+    data = recorded.get("data_path") or []
     lines = [f"# {src.model_dir.resolve().name}: MA-RLHF {STEP_NAMES[src.step]} — {src.role}", "",
              f"- **Step:** {src.step} — {STEP_NAMES[src.step]}",
              f"- **Model:** {src.role}",
-             f"- **Base model:** `{base_model_of(args, src.step)}`"]
+             f"- **Base model:** `{base_model_of(recorded, src.step)}`"]
     if src.step == 3:
-        lines.append(f"- **Reward model / critic init:** `{args.get('critic_model_name_or_path') or '?'}`")
+        critic = recorded_value(recorded, "critic_model_name_or_path") or "?"
+        lines.append(f"- **Reward model / critic init:** `{critic}`")
     lines += [f"- **Data:** {', '.join(f'`{d}`' for d in data) if data else 'not recorded'}"
-              + (f" (split `{args['data_split']}`)" if args.get("data_split") else ""),
+              + (f" (split `{recorded['data_split']}`)" if recorded.get("data_split") else ""),
               f"- **End-of-conversation token:** `{eot!r}`; **prompt format:** `{prompt_format}`",
               f"- **Source:** `{src.model_dir.resolve()}`" + (" (LoRA adapter merged)" if src.adapter_only else "")
               + (f" (DeepSpeed checkpoint `{src.checkpoint}`)" if src.checkpoint else ""),
@@ -137,15 +144,15 @@ def render_model_card(src: StepOutput, args: dict, metrics: dict[str, tuple[int,
     else:
         lines.append("No metrics.jsonl was found beside the model.")
     lines += ["", "## Training flags", ""]
-    if args:
-        lines += ["```json", json.dumps(args, indent=1, sort_keys=True), "```"]
+    if recorded:
+        lines += ["```json", json.dumps(recorded, indent=1, sort_keys=True), "```"]
     else:
         lines.append("Not recorded (no args.json beside the model).")
     cls = "AutoModelForSequenceClassification" if src.role in ("reward model", "critic") else "AutoModelForCausalLM"
     lines += ["", "## Use", "", "```python", f"from transformers import {cls}, AutoTokenizer", "",
               "tok = AutoTokenizer.from_pretrained(PATH)",
               f"model = {cls}.from_pretrained(PATH)  # generation stops at the recorded end token", "```", ""]
-    if src.role == "reward model" and args.get("likelihood_term"):
+    if src.role == "reward model" and recorded.get("likelihood_term"):
         lines += ["This reward model was trained with `--likelihood_term`: its score adds α · Σ log p(answer token) "
                   "under a next-token head stored beside the score head (`likelihood.*` weights).  Plain "
                   "transformers loads the score head alone; `marlhf.models.loading.load_reward_model(PATH, tok)` "
@@ -253,14 +260,16 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
     is_value = src.role in ("reward model", "critic")
     key = ("critic_model_name_or_path" if is_value else "actor_model_name_or_path") if src.step == 3 \
         else "model_name_or_path"
-    base = base_model or args.get(key, "")
+    base = base_model or recorded_value(args, key, "")
     if src.step == 3 and is_value and not base_model and not base:
         # as step 3 built it: without a reward model (gold scorer, program tests) the critic starts from the actor
         uses_rm = args.get("reward_source", "reward_model") in ("reward_model", "rm")
-        base = "" if uses_rm else args.get("actor_model_name_or_path", "")
-    tok_base = args.get("actor_model_name_or_path", "") if src.step == 3 and not base_model else base
-    tok, fmt = load_tokenizer_and_format(tok_base, args.get("end_of_conversation_token", ""),
-                                         args.get("prompt_format", "auto"),
+        base = "" if uses_rm else recorded_value(args, "actor_model_name_or_path", "")
+    tok_base = recorded_value(args, "actor_model_name_or_path", "") if src.step == 3 and not base_model else base
+    # a run recorded before run contexts existed left an empty path for the embedded model
+    base, tok_base = default_model(base), default_model(tok_base)
+    tok, fmt = load_tokenizer_and_format(tok_base, recorded_value(args, "end_of_conversation_token", ""),
+                                         recorded_value(args, "prompt_format", "auto"),
                                          add_eot_token=bool(args.get("add_eot_token", False)))
     if is_value:
         model = load_value_model(base, tok)

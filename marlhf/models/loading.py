@@ -32,19 +32,19 @@ _DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_d
 
 
 def resolve_model_path(path: str) -> str:
-    """An empty path means the embedded default model (built offline on first use).  A path that cannot be a
-    hub name ("org/name" or "name") must exist locally."""
-    if path:
-        p = Path(path).expanduser()
-        if not p.exists() and (p.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1):
-            from marlhf.errors import ConfigError
+    """A model folder or hub name to load.  A path that cannot be a hub name ("org/name" or "name") must exist
+    locally; an empty one is refused (the entry points resolve it: :func:`marlhf.embedded.default_model`)."""
+    if not path:
+        from marlhf.errors import ConfigError
 
-            raise ConfigError(f"model folder {path!r} does not exist (give a local model folder or a Hugging Face "
-                              f"hub name)")
-        return path
-    from marlhf import embedded
+        raise ConfigError("no model given (an entry point passes the embedded default model for an empty flag)")
+    p = Path(path).expanduser()
+    if not p.exists() and (p.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1):
+        from marlhf.errors import ConfigError
 
-    return str(embedded.prepare().model_dir)
+        raise ConfigError(f"model folder {path!r} does not exist (give a local model folder or a Hugging Face "
+                          f"hub name)")
+    return path
 
 
 def load_tokenizer(path: str, end_of_conversation_token: str = "", padding_side: str = "right",
@@ -72,17 +72,6 @@ def load_tokenizer_and_format(path: str, end_of_conversation_token: str = "", pr
     fmt = resolve_format(tok, recorded, end_of_conversation_token, prompt_format)
     _distinct_pad(tok, fmt.end_of_conversation_token)
     tok.padding_side = padding_side
-    return tok, fmt
-
-
-def run_tokenizer(args, path: str, padding_side: str = "right"):
-    """(tokenizer, format) of a training run's model folder: :func:`load_tokenizer_and_format` with the run's
-    ``--end_of_conversation_token``, ``--prompt_format`` and ``--add_eot_token``.  The resolved token and format
-    are written back into ``args``, so the data pipeline, the trainer and the saved args.json use the values
-    actually in force rather than the flags' empty / "auto" defaults."""
-    tok, fmt = load_tokenizer_and_format(path, args.end_of_conversation_token, args.prompt_format,
-                                         padding_side=padding_side, add_eot_token=args.add_eot_token)
-    args.end_of_conversation_token, args.prompt_format = fmt.end_of_conversation_token, fmt.prompt_format
     return tok, fmt
 
 
@@ -159,12 +148,10 @@ def zero3_init_config(zero_stage: int, offload: bool, dtype: str, extra: dict | 
     return cfg
 
 
-def load_options(args, zero_stage: int | None = None, offload: bool | None = None) -> dict:
-    """Keyword arguments of the load functions for a training run's model: its ``--dtype``, and under ZeRO-3
-    (``zero_stage``, default ``--zero_stage``) construction already partitioned."""
-    stage = args.zero_stage if zero_stage is None else zero_stage
-    off = args.offload if offload is None else offload
-    return {"dtype": torch_dtype(args.dtype), "ds_config": zero3_init_config(stage, off, args.dtype)}
+def load_options(dtype: str, zero_stage: int, offload: bool) -> dict:
+    """Keyword arguments of the load functions for a model of an engine at ``zero_stage`` in ``dtype``: the
+    dtype, and under ZeRO-3 construction already partitioned."""
+    return {"dtype": torch_dtype(dtype), "ds_config": zero3_init_config(zero_stage, offload, dtype)}
 
 
 @contextlib.contextmanager

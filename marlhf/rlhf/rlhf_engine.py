@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +32,12 @@ from marlhf.models.loading import (
 )
 from marlhf.models.lora import apply_lora
 from marlhf.rlhf.advantages import estimator_class
+from marlhf.rlhf.sections import BatchSection
 from marlhf.utils import dist
-from marlhf.utils.ds_engine import engine_from_section, frozen_engine
+from marlhf.utils.ds_engine import engine_from_section, frozen_engine, with_learning_rate
+
+if TYPE_CHECKING:
+    from marlhf.config import EngineSection
 
 log = logging.getLogger("marlhf")
 
@@ -43,6 +49,7 @@ class RLHFEngine:
     critic: object | None  # None: a critic-free estimator (nothing built, loaded or saved)
     reward: object | None  # None: the reward source is not the reward model
     ema: object | None = None
+    learning_rates: dict = field(default_factory=dict)  # role -> peak learning rate in force (the run context's)
 
     def trainable(self) -> dict:
         """The engines whose state a checkpoint must hold."""
@@ -54,15 +61,85 @@ class RLHFEngine:
         return out
 
 
-def hybrid_engine_config(args) -> dict | None:
+@dataclass(frozen=True)
+class ModelsSection:
+    """Step 3's four models (and the EMA): where each comes from and how each is built beside its engine.  The
+    paths are resolved by the entry point (an empty actor flag is the embedded model; the critic is the reward
+    model, or the actor when the reward needs none; the reward model is None when the reward is not a model)."""
+
+    actor_path: str
+    critic_path: str
+    reward_path: str | None
+    needs_critic: bool  # the advantage estimator trains a critic
+    with_ptx: bool  # the actor takes a second micro-step per batch (the ptx loss)
+    actor_dropout: float | None
+    critic_dropout: float | None
+    actor_lora_dim: int  # --actor_lora_dim, else --lora_dim
+    actor_lora_module_name: str
+    critic_lora_dim: int
+    critic_lora_module_name: str
+    only_optimize_lora: bool
+    actor_zero_stage: int
+    critic_zero_stage: int
+    offload: bool
+    offload_reference_model: bool
+    dtype: str
+    enable_ema: bool
+    enable_hybrid_engine: bool
+    max_out_tokens: int  # the hybrid engine's: prompt + answer
+    inference_tp_size: int
+    tp_gather_partition_size: int
+    release_inference_cache: bool
+    unpin_actor_parameters: bool
+    enable_mixed_precision_lora: bool
+    end_of_conversation_token: str  # the run's (an added token grows the actor's vocabulary)
+    reward_source: str  # for the log only
+
+    @classmethod
+    def from_args(cls, args, *, actor_path: str, critic_path: str, reward_path: str | None,
+                  end_of_conversation_token: str) -> ModelsSection:
+        return cls(actor_path=actor_path, critic_path=critic_path, reward_path=reward_path,
+                   needs_critic=estimator_class(args.advantage_estimator).needs_critic,
+                   with_ptx=bool(args.unsupervised_dataset_name) and args.unsup_coef != 0,
+                   actor_dropout=args.actor_dropout, critic_dropout=args.critic_dropout,
+                   actor_lora_dim=args.actor_lora_dim or args.lora_dim,
+                   actor_lora_module_name=args.actor_lora_module_name or args.lora_module_name,
+                   critic_lora_dim=args.critic_lora_dim, critic_lora_module_name=args.critic_lora_module_name,
+                   only_optimize_lora=args.only_optimize_lora, actor_zero_stage=args.actor_zero_stage,
+                   critic_zero_stage=args.critic_zero_stage, offload=args.offload,
+                   offload_reference_model=args.offload_reference_model, dtype=args.dtype,
+                   enable_ema=args.enable_ema, enable_hybrid_engine=args.enable_hybrid_engine,
+                   max_out_tokens=args.max_prompt_seq_len + args.max_answer_seq_len,
+                   inference_tp_size=args.inference_tp_size, tp_gather_partition_size=args.tp_gather_partition_size,
+                   release_inference_cache=args.release_inference_cache,
+                   unpin_actor_parameters=args.unpin_actor_parameters,
+                   enable_mixed_precision_lora=args.enable_mixed_precision_lora,
+                   end_of_conversation_token=end_of_conversation_token, reward_source=args.reward_source)
+
+
+def model_paths(actor: str, critic: str, reward: str, reward_source: str,
+                default: Callable[[], str]) -> dict[str, str | None]:
+    """Step 3's model paths from the flags (the actor already resolved): without a reward model (gold scorer,
+    program tests, the user's function or server) the critic starts from the SFT model, as the paper does for
+    APPS (B.5), its value head new; with one, an empty critic flag is ``default()`` (the entry point's default
+    model).  The reward model is the reward source, or (given explicitly) only reported in the held-out
+    evaluation."""
+    uses_rm = reward_source in ("reward_model", "rm")
+    critic_path = critic or (default() if uses_rm else actor)
+    reward_path = (reward or critic_path) if uses_rm else (reward or None)
+    return {"actor_model_name_or_path": actor, "critic_model_name_or_path": critic_path,
+            "reward_model_name_or_path": reward_path}
+
+
+def hybrid_engine_config(models: ModelsSection) -> dict | None:
     """The actor's ``hybrid_engine`` section (DeepSpeed-Chat's settings), or None when the flag is off."""
-    if not args.enable_hybrid_engine:
+    if not models.enable_hybrid_engine:
         return None
-    return {"hybrid_engine": {"enabled": True, "max_out_tokens": args.max_prompt_seq_len + args.max_answer_seq_len,
-                              "inference_tp_size": args.inference_tp_size,
-                              "release_inference_cache": args.release_inference_cache,
-                              "pin_parameters": not args.unpin_actor_parameters,
-                              "tp_gather_partition_size": args.tp_gather_partition_size}}
+    return {"hybrid_engine": {"enabled": True, "max_out_tokens": models.max_out_tokens,
+                              "inference_tp_size": models.inference_tp_size,
+                              "release_inference_cache": models.release_inference_cache,
+                              "pin_parameters": not models.unpin_actor_parameters,
+                              "tp_gather_partition_size": models.tp_gather_partition_size}}
 
 
 # DeepSpeed 0.19's hybrid engine generates through its inference kernels, one container per decoder-layer class
@@ -96,14 +173,15 @@ def hybrid_engine_refusal(model_type: str, lora: bool) -> str | None:
     return _HYBRID_REFUSED.get(model_type, "DeepSpeed 0.19 has no inference kernel (container) for it")
 
 
-def check_hybrid_engine(args, actor_path: str) -> None:
+def check_hybrid_engine(models: ModelsSection) -> None:
     """Refuse ``--enable_hybrid_engine`` (ConfigError) for an actor it cannot generate with, naming why."""
-    if not args.enable_hybrid_engine:
+    if not models.enable_hybrid_engine:
         return
     from transformers import AutoConfig
 
+    actor_path = models.actor_path
     model_type = AutoConfig.from_pretrained(actor_path).model_type
-    reason = hybrid_engine_refusal(model_type, bool(args.actor_lora_dim or args.lora_dim))
+    reason = hybrid_engine_refusal(model_type, bool(models.actor_lora_dim))
     if reason:
         raise ConfigError(f"--enable_hybrid_engine cannot run the actor {actor_path} (model_type {model_type!r}): "
                           f"{reason}. Drop the flag: generation then runs through the model's own generate() "
@@ -120,15 +198,15 @@ def frozen_zero_stage(stage: int, offload: bool) -> int:
     return 3 if offload else stage
 
 
-def mixed_precision_lora_config(args) -> dict | None:
+def mixed_precision_lora_config(models: ModelsSection) -> dict | None:
     """DeepSpeed-Chat's --enable_mixed_precision_lora: ZeRO-3 keeps the frozen (non-LoRA) actor weights
     quantized, partitioned hierarchically per node; only the LoRA weights train in full precision."""
-    if not args.enable_mixed_precision_lora:
+    if not models.enable_mixed_precision_lora:
         return None
-    if not (args.actor_lora_dim or args.lora_dim) or args.actor_zero_stage != 3:
+    if not models.actor_lora_dim or models.actor_zero_stage != 3:
         raise ConfigError("--enable_mixed_precision_lora needs LoRA on the actor (--actor_lora_dim > 0) and "
                          "--actor_zero_stage 3")
-    if not args.only_optimize_lora:
+    if not models.only_optimize_lora:
         # DeepSpeed quantizes the non-trainable weights only: with the base weights training, nothing is
         raise ConfigError("--enable_mixed_precision_lora quantizes the frozen base weights, so it needs "
                          "--only_optimize_lora (without it every weight trains and none is quantized)")
@@ -147,16 +225,15 @@ def _gpu_only_error(flags: list[str], err: Exception) -> PlatformError:
                         f"on CUDA/ROCm; drop the flag(s) to run here.")
 
 
-def optimizer_steps(args, ppo_steps: int, with_ptx: bool = False) -> int:
+def optimizer_steps(batches: BatchSection, ppo_steps: int, with_ptx: bool = False) -> int:
     """Optimizer (= scheduler) steps an engine takes in ``ppo_steps`` PPO steps.
 
     Each PPO step runs ``--ppo_epochs`` passes over ``--generation_batches`` experience batches split into
     micro-batches of ``--per_device_training_batch_size``; every micro-batch is one DeepSpeed micro-step
     (two for the actor with a ptx loss), and ``--gradient_accumulation_steps`` micro-steps make one update."""
-    rows = args.per_device_generation_batch_size * args.num_samples_per_prompt  # experiences per generation batch
-    micro = math.ceil(rows / args.per_device_training_batch_size)
-    micro *= args.generation_batches * args.ppo_epochs * (2 if with_ptx else 1)
-    return max(1, ppo_steps * micro // args.gradient_accumulation_steps)
+    micro = math.ceil(batches.experiences_per_batch / batches.training_batch)
+    micro *= batches.generation_batches * batches.ppo_epochs * (2 if with_ptx else 1)
+    return max(1, ppo_steps * micro // batches.gradient_accumulation_steps)
 
 
 # The EMA's weights are float32 in every run.  A step moves the average by (1 - decay)·(actor - ema): at
@@ -169,82 +246,78 @@ def optimizer_steps(args, ppo_steps: int, with_ptx: bool = False) -> int:
 EMA_DTYPE = "fp32"
 
 
-def build_rlhf_engine(args, tokenizer, total_steps: int) -> RLHFEngine:
+def build_rlhf_engine(models: ModelsSection, actor_section: EngineSection, critic_section: EngineSection,
+                      batches: BatchSection, tokenizer, total_steps: int) -> RLHFEngine:
     """The step-3 engines; ``total_steps`` counts PPO steps (schedulers get their optimizer-step totals)."""
-    if args.enable_ema and (args.actor_lora_dim or args.lora_dim):
+    if models.enable_ema and models.actor_lora_dim:
         raise ConfigError("--enable_ema with a LoRA actor is not supported: the EMA tracks full weights; "
                          "drop --enable_ema or LoRA")
-    actor_path = resolve_model_path(args.actor_model_name_or_path)
-    uses_rm = args.reward_source in ("reward_model", "rm")
-    # without a reward model (gold scorer, program tests, the user's function or server) the critic starts from
-    # the SFT model, as the paper does for APPS (B.5): its value head is new
-    critic_path = resolve_model_path(args.critic_model_name_or_path or ("" if uses_rm else actor_path))
-    # the reward model: the reward source, or (given explicitly) only reported in the held-out evaluation
-    reward_path = (args.reward_model_name_or_path or critic_path) if uses_rm else (
-        args.reward_model_name_or_path or None)
-    with_ptx = bool(args.unsupervised_dataset_name) and args.unsup_coef != 0
-    actor_total, critic_total = optimizer_steps(args, total_steps, with_ptx), optimizer_steps(args, total_steps)
-    mb = args.per_device_training_batch_size
+    actor_path = resolve_model_path(models.actor_path)
+    critic_path = resolve_model_path(models.critic_path)
+    reward_path = models.reward_path
+    actor_total = optimizer_steps(batches, total_steps, models.with_ptx)
+    critic_total = optimizer_steps(batches, total_steps)
+    mb = batches.training_batch
 
-    check_hybrid_engine(args, actor_path)  # before any model is loaded
+    check_hybrid_engine(models)  # before any model is loaded
     # every model is loaded in the run's dtype, and built partitioned when its engine is ZeRO-3
-    dtype = torch_dtype(args.dtype)
-    hybrid, mp_lora = hybrid_engine_config(args), mixed_precision_lora_config(args)
+    dtype = torch_dtype(models.dtype)
+    hybrid, mp_lora = hybrid_engine_config(models), mixed_precision_lora_config(models)
     gpu_only = [f for f, on in (("--enable_hybrid_engine", hybrid), ("--enable_mixed_precision_lora", mp_lora)) if on]
+    eot = models.end_of_conversation_token
+    learning_rates = {}
     try:
         # actor: the SFT policy, trained (built under ZeRO-3 with the engine's quantization / hpZ settings)
-        actor = load_causal_lm(actor_path, tokenizer, args.actor_dropout, dtype,
-                               end_of_conversation_token=args.end_of_conversation_token,
-                               ds_config=zero3_init_config(args.actor_zero_stage, args.offload, args.dtype, mp_lora))
-        lora_dim = args.actor_lora_dim or args.lora_dim
-        if lora_dim > 0:
-            actor = apply_lora(actor, lora_dim, args.actor_lora_module_name or args.lora_module_name,
-                               args.only_optimize_lora)
-        actor = engine_from_section(actor, args.engine("actor"), actor_total, mb,
+        actor = load_causal_lm(actor_path, tokenizer, models.actor_dropout, dtype, end_of_conversation_token=eot,
+                               ds_config=zero3_init_config(models.actor_zero_stage, models.offload, models.dtype,
+                                                           mp_lora))
+        if models.actor_lora_dim > 0:
+            actor = apply_lora(actor, models.actor_lora_dim, models.actor_lora_module_name, models.only_optimize_lora)
+        actor_section = with_learning_rate(actor_section, actor)
+        learning_rates["actor"] = actor_section.learning_rate
+        actor = engine_from_section(actor, actor_section, actor_total, mb,
                                     extra_config={**(hybrid or {}), **(mp_lora or {})})
     except (ValueError, RuntimeError, NotImplementedError) as err:
         if not gpu_only:
             raise
         raise _gpu_only_error(gpu_only, err) from err
     # reference: frozen SFT policy for the KL penalty
-    ref_stage = frozen_zero_stage(args.actor_zero_stage, args.offload_reference_model)
-    frozen_actor = load_options(args, ref_stage, args.offload_reference_model)
-    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, **frozen_actor), zero_stage=ref_stage,
-                        offload=args.offload_reference_model, dtype=args.dtype)
+    offload_frozen = models.offload_reference_model
+    ref_stage = frozen_zero_stage(models.actor_zero_stage, offload_frozen)
+    ref = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, **load_options(models.dtype, ref_stage,
+                                                                                   offload_frozen)),
+                        zero_stage=ref_stage, offload=offload_frozen, dtype=models.dtype)
     ema = None
-    if args.enable_ema:
+    if models.enable_ema:
         # float32 whatever --dtype (EMA_DTYPE): checkpointed, resumed and exported (actor_ema/) in float32; under
         # ZeRO-3 built partitioned like the reference, in float32
-        ema_load = {"dtype": torch.float32,
-                    "ds_config": zero3_init_config(ref_stage, args.offload_reference_model, EMA_DTYPE)}
-        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0,
-                                           end_of_conversation_token=args.end_of_conversation_token, **ema_load),
-                            zero_stage=ref_stage,
-                            offload=args.offload_reference_model, dtype=EMA_DTYPE)
+        ema = frozen_engine(load_causal_lm(actor_path, tokenizer, 0.0, end_of_conversation_token=eot,
+                                           **load_options(EMA_DTYPE, ref_stage, offload_frozen)),
+                            zero_stage=ref_stage, offload=offload_frozen, dtype=EMA_DTYPE)
     # critic: the reward model as initial value function, trained (macro GAE only); its score head only, not a
     # likelihood term the reward model may have (values are read from where no answer has started)
     critic = None
-    if estimator_class(args.advantage_estimator).needs_critic:
-        critic = load_value_model(critic_path, tokenizer, args.critic_dropout,
-                                  **load_options(args, args.critic_zero_stage))
-        if args.critic_lora_dim > 0:
-            critic = apply_lora(critic, args.critic_lora_dim, args.critic_lora_module_name, args.only_optimize_lora,
-                                task="SEQ_CLS")
-        critic = engine_from_section(critic, args.engine("critic"), critic_total, mb)
-    # reward: frozen scorer (only when the reward source is the reward model)
+    if models.needs_critic:
+        critic = load_value_model(critic_path, tokenizer, models.critic_dropout,
+                                  **load_options(models.dtype, models.critic_zero_stage, models.offload))
+        if models.critic_lora_dim > 0:
+            critic = apply_lora(critic, models.critic_lora_dim, models.critic_lora_module_name,
+                                models.only_optimize_lora, task="SEQ_CLS")
+        critic_section = with_learning_rate(critic_section, critic)
+        learning_rates["critic"] = critic_section.learning_rate
+        critic = engine_from_section(critic, critic_section, critic_total, mb)
+    # reward: frozen scorer (only when the reward source is the reward model, or one is given for the evaluation)
     reward = None
     if reward_path is not None:
-        reward_stage = frozen_zero_stage(args.critic_zero_stage, args.offload_reference_model)
-        reward = frozen_engine(load_reward_model(reward_path, tokenizer, 0.0,
-                                                 **load_options(args, reward_stage, args.offload_reference_model)),
-                               zero_stage=reward_stage,
-                               offload=args.offload_reference_model, dtype=args.dtype)
+        reward_stage = frozen_zero_stage(models.critic_zero_stage, offload_frozen)
+        reward = frozen_engine(load_reward_model(resolve_model_path(reward_path), tokenizer, 0.0,
+                                                 **load_options(models.dtype, reward_stage, offload_frozen)),
+                               zero_stage=reward_stage, offload=offload_frozen, dtype=models.dtype)
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
-             args.actor_zero_stage,
-             critic_path if critic is not None else f"none (--advantage_estimator {args.advantage_estimator})",
-             args.critic_zero_stage,
-             reward_path or f"none (--reward_source {args.reward_source})", args.enable_ema)
-    return RLHFEngine(actor, ref, critic, reward, ema)
+             models.actor_zero_stage, critic_path if critic is not None else "none (a critic-free estimator)",
+             models.critic_zero_stage, reward_path or f"none (--reward_source {models.reward_source})",
+             models.enable_ema)
+    return RLHFEngine(actor, ref, critic, reward, ema, learning_rates)
 
 
 @torch.no_grad()

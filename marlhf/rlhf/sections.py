@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def logprob_temperature(args) -> float:
+def logprob_temperature(choice: str, temperature: float) -> float:
     """T of the policy distribution π = softmax(logits / T) that π_old, π, π_ref and the KL are computed from
     (``--logprob_temperature``): 1 (raw logits: DeepSpeed-Chat and the MA-RLHF code, the default) or
-    ``sampling``: the sampling ``--temperature`` (TRL and OpenRLHF), so that π_old is the temperature-scaled
+    ``sampling``: the sampling ``temperature`` (TRL and OpenRLHF), so that π_old is the temperature-scaled
     distribution the answers were drawn from (top-k / top-p truncation is not applied: a token outside the
     truncated set would get log π = -inf)."""
-    choice = str(getattr(args, "logprob_temperature", "1"))
+    choice = str(choice)
     if choice == "sampling":
-        return float(args.temperature)
+        return float(temperature)
     if choice in ("1", "1.0"):
         return 1.0
     raise ValueError(f"--logprob_temperature must be '1' or 'sampling', got {choice!r}")
@@ -40,11 +40,12 @@ class MacroSection:
     split_last: bool  # the released code's split of the last token (--macro_reward compat)
 
     @classmethod
-    def from_args(cls, args) -> MacroSection:
+    def from_args(cls, args, response_kind: str) -> MacroSection:
+        """The flags, with the run's resolved ``response_kind`` (:func:`marlhf.tasks.response_kind`)."""
         return cls(termination_condition=args.termination_condition, ngram=args.ngram_n,
                    repeat_times=args.repeat_times, parser_backend=args.parser_backend,
                    parser_cutoff=args.parser_cutoff, parser_model=args.parser_model,
-                   response_kind=args.response_kind, split_last=args.macro_reward == "compat")
+                   response_kind=response_kind, split_last=args.macro_reward == "compat")
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class RolloutSection:
                    lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
                    advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
                    kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
-                   logprob_temperature=logprob_temperature(args))
+                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))
 
     @property
     def reward_kl_ctl(self) -> float:
@@ -102,4 +103,47 @@ class UpdateSection:
                    gradient_accumulation_steps=args.gradient_accumulation_steps,
                    loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
                    cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
-                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl, logprob_temperature=logprob_temperature(args))
+                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl,
+                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))
+
+
+@dataclass(frozen=True)
+class BatchSection:
+    """How much step 3 generates and trains on per step, and for how long."""
+
+    generation_batch: int  # prompts per rank per generation batch (--per_device_generation_batch_size)
+    samples_per_prompt: int  # K (--num_samples_per_prompt)
+    generation_batches: int  # generation batches per PPO step
+    training_batch: int  # experiences per PPO micro-batch (--per_device_training_batch_size)
+    ppo_epochs: int
+    gradient_accumulation_steps: int
+    num_train_epochs: int
+    max_steps: int
+    seed: int  # the prompt sampler's (the ptx sampler's: seed + 1)
+
+    @classmethod
+    def from_args(cls, args) -> BatchSection:
+        return cls(generation_batch=args.per_device_generation_batch_size,
+                   samples_per_prompt=args.num_samples_per_prompt, generation_batches=args.generation_batches,
+                   training_batch=args.per_device_training_batch_size, ppo_epochs=args.ppo_epochs,
+                   gradient_accumulation_steps=args.gradient_accumulation_steps,
+                   num_train_epochs=args.num_train_epochs, max_steps=args.max_steps, seed=args.seed)
+
+    @property
+    def experiences_per_batch(self) -> int:
+        return self.generation_batch * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Step 3's held-out evaluation (:func:`marlhf.eval.policy.evaluate_policy`): answers sampled as in training."""
+
+    batch: int  # prompts per rank per batch
+    zero3_generation: str
+    logprob_temperature: float  # T of π and π_ref in the KL, as in training
+
+    @classmethod
+    def from_args(cls, args) -> EvalSection:
+        return cls(batch=args.per_device_eval_generation_batch_size or args.per_device_generation_batch_size,
+                   zero3_generation=args.zero3_generation,
+                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from marlhf import loop
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
 from marlhf.generation import GenerationConfig, Samples
-from marlhf.models.loading import stop_token_ids
 from marlhf.rewards import RewardModelSource, RewardSource, score_samples
 from marlhf.rlhf import macro
 from marlhf.rlhf.advantages import build_estimator
 from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema
 from marlhf.rlhf.rollout import Experience, RolloutParts, make_experience
-from marlhf.rlhf.sections import MacroSection, RolloutSection, UpdateSection
+from marlhf.rlhf.sections import BatchSection, MacroSection, RolloutSection, UpdateSection
 from marlhf.rlhf.segmentation import MacroSegmenter
 from marlhf.rlhf.update import ppo_update
 from marlhf.utils import dist
@@ -34,22 +34,46 @@ from marlhf.utils.timing import NO_TIMER
 log = logging.getLogger("marlhf")
 
 
+@dataclass(frozen=True)
+class MAPPOSections:
+    """Everything MA-PPO reads, in sections: the termination rule's, the rollout's, the update's, the batches',
+    the loop's and the sampling settings, plus the step's own extras."""
+
+    macro: MacroSection
+    rollout: RolloutSection
+    update: UpdateSection
+    batches: BatchSection
+    loop: loop.LoopSection
+    generation: GenerationConfig
+    max_skipped_steps: int
+    ema_decay: float
+    print_answers_interval: int  # 0: no printed answers
+
+    @classmethod
+    def from_args(cls, args, *, response_kind: str, stop_ids, pad_id: int) -> MAPPOSections:
+        """Step 3's flags, with the run's resolved response kind and the tokenizer's stop and pad ids."""
+        return cls(macro=MacroSection.from_args(args, response_kind), rollout=RolloutSection.from_args(args),
+                   update=UpdateSection.from_args(args), batches=BatchSection.from_args(args),
+                   loop=loop.LoopSection.from_args(args), generation=GenerationConfig.from_args(args, stop_ids, pad_id),
+                   max_skipped_steps=args.max_skipped_steps, ema_decay=args.ema_decay,
+                   print_answers_interval=args.print_answers_interval if args.print_answers else 0)
+
+
 class MAPPOTrainer(loop.Recipe):
     """MA-PPO as a recipe of the one training loop (:mod:`marlhf.loop`)."""
 
     name = "ma-ppo"
 
-    def __init__(self, args, rlhf: RLHFEngine, tokenizer, reward: RewardSource | None = None):
-        self.args, self.rlhf, self.tokenizer = args, rlhf, tokenizer
-        self.stop_ids = stop_token_ids(tokenizer, args.end_of_conversation_token)
+    def __init__(self, rlhf: RLHFEngine, tokenizer, sections: MAPPOSections, reward: RewardSource | None = None):
+        self.rlhf, self.tokenizer, self.sections = rlhf, tokenizer, sections
         self.pad_id = tokenizer.pad_token_id
-        self.gen_cfg = GenerationConfig.from_args(args, self.stop_ids, self.pad_id)
-        self.segmenter = MacroSegmenter(MacroSection.from_args(args), tokenizer, args.seed)
-        self.rollout, self.update = RolloutSection.from_args(args), UpdateSection.from_args(args)
+        self.gen_cfg = sections.generation
+        self.segmenter = MacroSegmenter(sections.macro, tokenizer, sections.batches.seed)
+        self.rollout, self.update = sections.rollout, sections.update
         self.estimator = build_estimator(self.rollout)
         # the reward source (marlhf.rewards): the frozen reward engine unless another is given
         self.reward = reward if reward is not None else RewardModelSource(rlhf.reward)
-        self.guard = StepGuard(args.max_skipped_steps)  # drops non-finite updates, stops after too many
+        self.guard = StepGuard(sections.max_skipped_steps)  # drops non-finite updates, stops after too many
         self.timer = NO_TIMER  # a marlhf.utils.timing.PhaseTimer times each phase (the cost benchmark)
 
     # -- 1-3. experience (marlhf.rlhf.rollout) ------------------------------------------------------------
@@ -57,7 +81,7 @@ class MAPPOTrainer(loop.Recipe):
                         meta: list[dict] | None = None) -> tuple[Experience, dict]:
         """Generate, score and segment answers to one prompt batch (``batch``: its index in the step;
         ``meta``: each prompt's record meta, for the reward source)."""
-        K = self.args.num_samples_per_prompt
+        K = self.rollout.num_samples_per_prompt
         # sample() puts prompt i's K answers in rows i*K .. i*K+K-1: each gets its prompt's meta
         meta_rows = None if meta is None else [m for m in meta for _ in range(K)]
 
@@ -89,10 +113,11 @@ class MAPPOTrainer(loop.Recipe):
         train_stats = self.ppo_update(exps, self._ptx)  # 4. PPO epochs over the experience
         train_stats.update(self.guard.end_step(step + 1))
         if self.rlhf.ema is not None:
-            update_ema(self.rlhf.actor, self.rlhf.ema, self.args.ema_decay)
+            update_ema(self.rlhf.actor, self.rlhf.ema, self.sections.ema_decay)
         stats = {k: sum(s[k] for s in gen_stats) / len(gen_stats) for k in gen_stats[0]}
         stats.update(train_stats, train_seconds=time.time() - t0, actor_lr=self.rlhf.actor.get_lr()[0])
-        if self.args.print_answers and (step + 1) % self.args.print_answers_interval == 0:
+        every = self.sections.print_answers_interval
+        if every and (step + 1) % every == 0:
             self._print_sample(exps[0])
         return stats
 
@@ -103,33 +128,34 @@ class MAPPOTrainer(loop.Recipe):
         return {"reward": f"{stats['reward']:.3f}", "kl": f"{stats['kl']:.3f}"}
 
     def describe(self, steps_per_epoch: int, total: int, start: int) -> None:
-        a = self.args
+        m, r = self.sections.macro, self.rollout
+        n = m.ngram if m.ngram is not None else "inf"
         log.info("MA-PPO: %d prompts, %d steps/epoch, %d steps (from %d); rule %s n=%s, σ %s, ratio %s",
-                 self._num_prompts, steps_per_epoch, total, start, a.termination_condition, a.ngram, a.value_function,
-                 a.policy_ratio)
-        log.info("advantages: %s, K=%d samples per prompt, KL in the %s", a.advantage_estimator,
-                 a.num_samples_per_prompt, a.kl_penalty)
+                 self._num_prompts, steps_per_epoch, total, start, m.termination_condition, n, r.value_function,
+                 self.update.policy_ratio)
+        log.info("advantages: %s, K=%d samples per prompt, KL in the %s", r.advantage_estimator,
+                 r.num_samples_per_prompt, r.kl_penalty)
 
     def train(self, prompts: list[dict], ptx_items: list[dict] | None = None, evaluate=None) -> int:
         """MA-PPO over ``prompts`` in the one loop (:func:`marlhf.loop.run`); ``evaluate()`` (held-out metrics) is
         logged as ``eval/*`` every ``--eval_interval`` steps (the evaluations before and after are the caller's).
         Returns the steps done."""
-        a = self.args
-        bs = a.per_device_generation_batch_size
-        sampler = ResumableSampler(len(prompts), a.seed)
-        loader = make_loader(prompts, bs, sampler, PromptCollator(self.pad_id))
-        steps_per_epoch, total = plan_steps(len(prompts), bs, a.generation_batches, a.num_train_epochs,
-                                            a.max_steps, what="prompts")
+        b = self.sections.batches
+        sampler = ResumableSampler(len(prompts), b.seed)
+        loader = make_loader(prompts, b.generation_batch, sampler, PromptCollator(self.pad_id))
+        steps_per_epoch, total = plan_steps(len(prompts), b.generation_batch, b.generation_batches,
+                                            b.num_train_epochs, b.max_steps, what="prompts")
         self._ptx, self._evaluate, self._num_prompts = self._ptx_iterator(ptx_items), evaluate, len(prompts)
-        return loop.run(self, loader, sampler, loop.LoopSection.from_args(a), steps_per_epoch=steps_per_epoch,
-                        total=total, batches_per_step=a.generation_batches, items_per_batch=bs)
+        return loop.run(self, loader, sampler, self.sections.loop, steps_per_epoch=steps_per_epoch,
+                        total=total, batches_per_step=b.generation_batches, items_per_batch=b.generation_batch)
 
     def _ptx_iterator(self, items):
         if not items:
             return None
         dev = dist.device()
-        loader = make_loader(items, self.args.per_device_training_batch_size,
-                             ResumableSampler(len(items), self.args.seed + 1), SFTCollator(self.pad_id))
+        b = self.sections.batches
+        loader = make_loader(items, b.training_batch, ResumableSampler(len(items), b.seed + 1),
+                             SFTCollator(self.pad_id))
 
         def forever():
             epoch = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -83,15 +84,22 @@ def train_engine(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: f
     return engine
 
 
+def with_learning_rate(section: EngineSection, model: nn.Module) -> EngineSection:
+    """``section`` with its learning rate in force: the flag's, else the default of its stage for ``model``'s size
+    (:func:`default_learning_rate`, logged).  An entry point records it in the run context."""
+    if section.learning_rate is not None:
+        return section
+    n_params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
+    return dataclasses.replace(section, learning_rate=default_learning_rate(section.stage, n_params))
+
+
 def engine_from_section(model: nn.Module, section: EngineSection, total_steps: int, micro_batch: int,
                         extra_config: dict | None = None):
     """A training engine for ``model`` as its section says (``args.engine()`` of steps 1-2, ``args.engine("actor")``
     / ``args.engine("critic")`` of step 3); no learning rate: the default of its stage for the model's size."""
-    lr = section.learning_rate
-    if lr is None:
-        n_params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
-        lr = default_learning_rate(section.stage, n_params)
-    return train_engine(model, lr=lr, weight_decay=section.weight_decay, lora_lr=section.lora_learning_rate,
+    section = with_learning_rate(section, model)
+    return train_engine(model, lr=section.learning_rate, weight_decay=section.weight_decay,
+                        lora_lr=section.lora_learning_rate,
                         micro_batch=micro_batch, grad_accum=section.gradient_accumulation_steps,
                         zero_stage=section.zero_stage, offload=section.offload, dtype=section.dtype,
                         scheduler=section.lr_scheduler_type,

@@ -187,6 +187,16 @@ def parse_spec(spec: str) -> tuple[str, Adapter | None, str]:
     )
 
 
+def dataset_name(spec: str) -> str | None:
+    """The dataset a ``--data_path`` spec names (a hub name, also for ``NAME:LOCAL_PATH``; ``synthetic`` /
+    ``synthetic_code`` whatever their options), or None for a file of the generic layout: what a task declares
+    in its ``datasets`` (:mod:`marlhf.tasks`)."""
+    kind, adapter, _ = parse_spec(spec)
+    if kind in (SYNTHETIC, SYNTHETIC_CODE):
+        return kind
+    return adapter.name if adapter is not None else None
+
+
 def _convert(rows: Iterable[files.Row], row_fn: RowFn, policy: BadRowPolicy, drops: Counter) -> list[Record]:
     """Apply ``row_fn`` to every row; bad rows go to the policy, dropped rows to ``drops``."""
     records: list[Record] = []

@@ -1,0 +1,82 @@
+"""What every training entry point does first, once: start the run from its flags and resolve what the flags leave
+open — the model an empty path stands for (the embedded default), the task, the end token and prompt format in
+force — into a run context recorded in ``args.json`` (:mod:`marlhf.utils.run`), never written back into the flags.
+Past this point the library receives sections and explicit values, not the flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from marlhf.data.formatting import ConversationFormat
+from marlhf.embedded import default_model
+from marlhf.models.loading import load_tokenizer_and_format
+from marlhf.tasks import Task, resolve_task
+from marlhf.utils.run import record_run_context, setup_run
+
+
+@dataclass(frozen=True)
+class Started:
+    """A started run: its model folder, tokenizer, conversation format and task (None: no task)."""
+
+    model: str
+    tokenizer: object
+    fmt: ConversationFormat
+    task: Task | None
+
+
+def start(args, model_flag: str, padding_side: str = "right", model: str | None = None) -> Started:
+    """Set up the run (process group, seed, logs, args.json), then resolve and record its context: ``model_flag``
+    names the flag holding the model the step starts from (its tokenizer and format are the run's); ``model``:
+    the folder it resolves to when the tool resolved it already (default: the flag, the embedded model if empty)."""
+    setup_run(args.output_dir, seed=args.seed, dtype=args.dtype, flags=dataclasses.asdict(args),
+              save_steps=args.save_steps, resume=args.resume)
+    model = model or default_model(getattr(args, model_flag))
+    tokenizer, fmt = load_tokenizer_and_format(model, args.end_of_conversation_token, args.prompt_format,
+                                               padding_side=padding_side, add_eot_token=args.add_eot_token)
+    task = resolve_task(args.task, args.data_path)
+    record_run_context(args.output_dir, task=task.name if task else None, **{model_flag: model},
+                       end_of_conversation_token=fmt.end_of_conversation_token, prompt_format=fmt.prompt_format)
+    return Started(model, tokenizer, fmt, task)
+
+
+def reward_source(args, task: Task | None, reward_model=None):
+    """Step 3's ``--reward_source`` (and its flags) built (:func:`marlhf.rewards.build_reward_source`)."""
+    from marlhf.rewards import build_reward_source
+
+    return build_reward_source(args.reward_source, reward_model=reward_model, task=task, workers=args.reward_workers,
+                               function=args.reward_function, url=args.reward_url, timeout=args.reward_timeout,
+                               retries=args.reward_retries)
+
+
+def step3_context(args, started_actor: str, task: Task | None) -> dict:
+    """What step 3 resolves beside the actor: the critic / reward model paths (an empty critic flag with a reward
+    model is the embedded default) and the response kind (the task's, else from the reward source)."""
+    from marlhf.rlhf.rlhf_engine import model_paths
+    from marlhf.tasks import response_kind
+
+    paths = model_paths(started_actor, args.critic_model_name_or_path, args.reward_model_name_or_path,
+                        args.reward_source, default=lambda: default_model(""))
+    paths.pop("actor_model_name_or_path")
+    return {**paths, "response_kind": response_kind(args.response_kind, task, args.reward_source)}
+
+
+def step3_trainer(args, actor: str, tokenizer, fmt: ConversationFormat, context: dict, task: Task | None,
+                  total_steps: int, reward=None):
+    """Step 3 from its flags and its run context (:func:`step3_context`): the four models' engines
+    (:func:`marlhf.rlhf.rlhf_engine.build_rlhf_engine`) and the MA-PPO recipe with its reward source (``reward``:
+    one built already, else ``--reward_source``'s).  Returns ``(trainer, learning rates in force)``."""
+    from marlhf.models.loading import stop_token_ids
+    from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine
+    from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
+
+    sections = MAPPOSections.from_args(args, response_kind=context["response_kind"],
+                                       stop_ids=stop_token_ids(tokenizer, fmt.end_of_conversation_token),
+                                       pad_id=tokenizer.pad_token_id)
+    models = ModelsSection.from_args(args, actor_path=actor, critic_path=context["critic_model_name_or_path"],
+                                     reward_path=context["reward_model_name_or_path"],
+                                     end_of_conversation_token=fmt.end_of_conversation_token)
+    rlhf = build_rlhf_engine(models, args.engine("actor"), args.engine("critic"), sections.batches, tokenizer,
+                             total_steps)
+    reward = reward if reward is not None else reward_source(args, task, rlhf.reward)
+    return MAPPOTrainer(rlhf, tokenizer, sections, reward=reward), rlhf.learning_rates
