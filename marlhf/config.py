@@ -369,6 +369,10 @@ class RLHFArgs(BaseArgs):
                              "task's (code for code and synthetic_code), else code with --reward_source "
                              "program_tests, else text.",
                              choices=("auto", "text", "code"))
+    lowprob_threshold: float = opt(0.1, "Low-probability rule: a macro action ends at a token whose probability is "
+                                   "below this τ (Segmental Advantage Estimation's forking tokens).")
+    lowprob_model: str = opt("reference", "Low-probability rule: whose probability — the reference model's or the "
+                             "sampling policy's (π_old at --logprob_temperature).", choices=("reference", "policy"))
     value_function: str = opt("equal", "σ weights of token values inside a macro action (paper D.1).",
                               choices=("equal", "unit", "position"))
     macro_reward: str = opt("sum", "Macro reward: 'sum' (paper, ρ = 1) or 'compat' (released code: σ-weighted, "
@@ -415,6 +419,8 @@ class RLHFArgs(BaseArgs):
     def validate(self) -> None:
         super().validate()
         _ = self.ngram_n  # raises on a bad --ngram
+        if not 0 < self.lowprob_threshold < 1:
+            raise ValueError(f"--lowprob_threshold must be in (0, 1), got {self.lowprob_threshold}")
         if self.reward_source == "rm":
             self.reward_source = "reward_model"
         if self.reward_workers < 1:

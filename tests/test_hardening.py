@@ -112,7 +112,8 @@ def test_randomized_rule_differs_per_generation_batch_and_repeats_per_seed(embed
     from marlhf.rlhf.segmentation import MacroSegmenter
 
     section = MacroSection(termination_condition="randomized", ngram=5, repeat_times=3, parser_backend="auto",
-                           parser_cutoff=5, parser_model="", response_kind="text", split_last=False)
+                           parser_cutoff=5, parser_model="", response_kind="text", lowprob_threshold=0.1,
+                           lowprob_model="reference", split_last=False)
     seg_fn = MacroSegmenter(section, load_tokenizer(default_model("")), seed=0)
     mask = torch.ones(8, 60, dtype=torch.bool)
     answer = torch.zeros(8, 60, dtype=torch.long)

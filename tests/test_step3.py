@@ -155,6 +155,7 @@ def _segmenter(rule, **kw):
     tok = load_tokenizer(default_model(""))
     section = MacroSection(termination_condition=rule, ngram=kw.get("n", 5), repeat_times=3,
                            split_last=kw.get("macro_reward", "sum") == "compat", response_kind="text",
+                           lowprob_threshold=0.1, lowprob_model="reference",
                            parser_backend="spacy", parser_cutoff=5, parser_model="")
     return MacroSegmenter(section, tok, seed=0), tok
 

@@ -229,6 +229,24 @@ def ppl_starts(
         W = min(2 * W, T)
 
 
+def lowprob_starts(mask: torch.Tensor, logprobs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Low-probability termination: a macro action ends at a token whose probability is below ``threshold``
+    (log p < log τ), so the next token starts a new one.  With the reference model's log-probabilities this is
+    Segmental Advantage Estimation's split (arXiv 2601.07320): GAE bootstraps only at such forking tokens.
+    Padding is ignored; a low-probability last token ends the answer's last action as any last token does."""
+    m = check_mask(mask)  # (B, T)
+    if logprobs.shape != m.shape:
+        raise ValueError(f"logprobs: shape {tuple(logprobs.shape)} != mask shape {tuple(m.shape)}")
+    if not 0 < threshold < 1:
+        raise ValueError(f"lowprob threshold={threshold!r} must be in (0, 1)")
+    low = (logprobs.double() < math.log(threshold)) & m  # (B, T) tokens that end their action
+    starts = torch.zeros_like(m)
+    if m.shape[1]:
+        starts[:, 0] = m[:, 0]
+        starts[:, 1:] = low[:, :-1] & m[:, 1:]
+    return starts
+
+
 def word_starts(mask: torch.Tensor, input_ids: torch.Tensor, word_start_table: torch.Tensor) -> torch.Tensor:
     """One macro action per word: a token flagged in ``word_start_table`` (V,) bool opens a new macro action.
 

@@ -161,7 +161,7 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
                             settings.clip_reward_value)
     t1 = time.time()
     with timer("macro"):  # termination rule -> segment ids -> advantages and returns
-        seg, fallbacks = parts.segmenter(answer, loss_mask, ref_logprobs, step, batch)
+        seg, fallbacks = parts.segmenter(answer, loss_mask, ref_logprobs, step, batch, logprobs=logprobs)
         advantages, returns, mstats = parts.estimator(AdvantageBatch(loss_mask, valid, seg, logprobs, ref_logprobs,
                                                                      values, rewards, scores))
     macro_time = time.time() - t1

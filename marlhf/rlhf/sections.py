@@ -37,6 +37,8 @@ class MacroSection:
     parser_cutoff: int
     parser_model: str
     response_kind: str  # text | code
+    lowprob_threshold: float  # lowprob rule: τ
+    lowprob_model: str  # lowprob rule: reference | policy
     split_last: bool  # the released code's split of the last token (--macro_reward compat)
 
     @classmethod
@@ -45,7 +47,8 @@ class MacroSection:
         return cls(termination_condition=args.termination_condition, ngram=args.ngram_n,
                    repeat_times=args.repeat_times, parser_backend=args.parser_backend,
                    parser_cutoff=args.parser_cutoff, parser_model=args.parser_model,
-                   response_kind=response_kind, split_last=args.macro_reward == "compat")
+                   response_kind=response_kind, lowprob_threshold=args.lowprob_threshold,
+                   lowprob_model=args.lowprob_model, split_last=args.macro_reward == "compat")
 
 
 @dataclass(frozen=True)

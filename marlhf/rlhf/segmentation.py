@@ -33,9 +33,9 @@ class MacroSegmenter:
         self.rule = build_rule(section, tokenizer)
 
     def __call__(self, answer: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor, step: int,
-                 batch: int = 0) -> tuple[torch.Tensor, int]:
+                 batch: int = 0, logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         gen = torch.Generator().manual_seed(stream_seed(self.seed, step, batch, dist.rank()))
-        starts = self.rule.starts(Answers(answer, mask, ref_logprobs, gen))
+        starts = self.rule.starts(Answers(answer, mask, ref_logprobs, gen, logprobs))
         if self.section.split_last:
             starts = macro.split_last_token(starts, mask)
         return macro.segments_from_starts(starts, mask), self.rule.fallbacks

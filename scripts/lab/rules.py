@@ -8,6 +8,7 @@ import torch
 
 from marlhf.rlhf.macro import (
     fixed_starts,
+    lowprob_starts,
     ppl_starts,
     randomized_starts,
     segments_from_starts,
@@ -15,7 +16,7 @@ from marlhf.rlhf.macro import (
     word_starts,
 )
 
-RULES = ("fixed", "randomized", "ppl", "word")
+RULES = ("fixed", "randomized", "ppl", "word", "lowprob")
 
 
 def segments_for_rule(
@@ -28,6 +29,7 @@ def segments_for_rule(
     generator: torch.Generator | None = None,
     ref_logprobs: torch.Tensor | None = None,
     ppl_max_len: int | None = None,
+    lowprob_threshold: float = 0.1,
     input_ids: torch.Tensor | None = None,
     word_start_table: torch.Tensor | None = None,
     split_last: bool = False,
@@ -47,6 +49,10 @@ def segments_for_rule(
         if ref_logprobs is None:
             raise ValueError("termination_condition='ppl' needs ref_logprobs (B, T)")
         starts = ppl_starts(mask, ref_logprobs, ppl_max_len)
+    elif rule == "lowprob":
+        if ref_logprobs is None:
+            raise ValueError("termination_condition='lowprob' needs ref_logprobs (B, T)")
+        starts = lowprob_starts(mask, ref_logprobs, lowprob_threshold)
     else:
         if input_ids is None or word_start_table is None:
             raise ValueError("termination_condition='word' needs input_ids (B, T) and word_start_table (V,)")

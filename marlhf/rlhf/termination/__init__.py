@@ -33,6 +33,7 @@ class Answers:
     mask: torch.Tensor  # bool, real answer tokens
     ref_logprobs: torch.Tensor  # log π_ref of each answer token
     generator: torch.Generator  # the batch's own stream (seeded by run seed, step, batch, rank)
+    logprobs: torch.Tensor | None = None  # log π_old of each answer token (the sampling policy's)
 
 
 class TerminationRule:
