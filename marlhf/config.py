@@ -346,7 +346,11 @@ class RLHFArgs(BaseArgs):
     cliprange: float = opt(0.2, "PPO policy ratio clip ε.")
     cliprange_value: float = opt(0.2, "Value clip around the old values.")
     gamma: float = opt(1.0, "Discount γ between macro steps.")
-    lam: float = opt(0.95, "GAE λ.")
+    lam: float = opt(0.95, "GAE λ (the actor's advantages, and the critic's returns unless --lam_critic).")
+    lam_critic: float | None = opt(None, "GAE λ of the critic's returns Q = A + V (VAPO decouples it from the actor's; "
+                                   "1 gives Monte-Carlo value targets). None: --lam.")
+    adaptive_lam_alpha: float = opt(0.0, "> 0: the actor's λ per answer is 1 - 1/(α·L), L its number of macro actions "
+                                    "(VAPO's length-adaptive λ); 0: --lam for every answer.")
     whiten_advantages: bool = opt(False, "Whiten advantages over the batch (breaks batch invariance).")
     temperature: float = opt(0.8, "Sampling temperature.")
     top_k: int = opt(50, "Top-k sampling (0 disables).")
@@ -419,6 +423,10 @@ class RLHFArgs(BaseArgs):
     def validate(self) -> None:
         super().validate()
         _ = self.ngram_n  # raises on a bad --ngram
+        if self.lam_critic is not None and not 0 <= self.lam_critic <= 1:
+            raise ValueError(f"--lam_critic must be in [0, 1], got {self.lam_critic}")
+        if self.adaptive_lam_alpha < 0:
+            raise ValueError(f"--adaptive_lam_alpha must be >= 0 (0: off), got {self.adaptive_lam_alpha}")
         if not 0 < self.lowprob_threshold < 1:
             raise ValueError(f"--lowprob_threshold must be in (0, 1), got {self.lowprob_threshold}")
         if self.reward_source == "rm":
@@ -493,7 +501,8 @@ class RLHFArgs(BaseArgs):
             termination_changed=(self.termination_condition != defaults["termination_condition"]
                                  or self.ngram_n != RLHFArgs(ngram=defaults["ngram"]).ngram_n),
             value_function=self.value_function, macro_reward=self.macro_reward, gamma=self.gamma,
-            lam_changed=self.lam != defaults["lam"], whiten_advantages=self.whiten_advantages)
+            lam_changed=(self.lam != defaults["lam"] or self.lam_critic is not None or self.adaptive_lam_alpha != 0),
+            whiten_advantages=self.whiten_advantages)
 
     @property
     def ngram_n(self) -> int | None:

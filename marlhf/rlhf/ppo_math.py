@@ -76,16 +76,20 @@ def discount_matrix(M: int, gamma_lam: float, device: torch.device | None = None
 
 
 def gae(
-    values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+    values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over macro steps (§3.2.2; token-level PPO is the case of one token per step).
 
     δ_τ = R_τ + γ V_{τ+1} - V_τ with V = 0 after a sample's last step; A_τ = Σ_l (γλ)^l δ_{τ+l};
     returns Q_τ = A_τ + V_τ. Vectorised as A = δ Dᵀ with the discount matrix D (float64): O(B·M²) flops
-    and O(M²) memory — 64 × 512² ≈ 17 M multiply-adds for token-level PPO at T = 512. Inputs (B, M),
-    outputs (B, M), 0 on padding.
+    and O(M²) memory — 64 × 512² ≈ 17 M multiply-adds for token-level PPO at T = 512. ``lam`` may be a (B,)
+    tensor, one λ per sample (the length-adaptive λ of :func:`adaptive_lam`): then D is per sample, O(B·M²)
+    memory. Inputs (B, M), outputs (B, M), 0 on padding.
     """
-    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+    per_sample = torch.is_tensor(lam)
+    lam_values = lam.double() if per_sample else torch.tensor([float(lam)], dtype=torch.float64)
+    if not (0.0 <= gamma <= 1.0 and bool(((lam_values >= 0) & (lam_values <= 1)).all())):
         raise ValueError(f"gamma={gamma} and lam={lam} must lie in [0, 1]")
     m = mask.bool()  # (B, M)
     out_dtype = torch.promote_types(values.dtype, torch.float32)
@@ -93,11 +97,31 @@ def gae(
     R = torch.where(m, rewards.double(), 0.0)  # (B, M)
     V_next = torch.cat([V[:, 1:], V.new_zeros(V.shape[0], 1)], dim=1)  # (B, M) 0 past the last step
     delta = torch.where(m, R + gamma * V_next - V, 0.0)  # (B, M)
-    D = discount_matrix(m.shape[1], gamma * lam, m.device)  # (M, M)
-    A = delta @ D.T  # (B, M) A[b, i] = Σ_j D[i, j] δ[b, j]
+    if per_sample:
+        if lam.shape != (m.shape[0],):
+            raise ValueError(f"lam: a tensor of one λ per sample, shape ({m.shape[0]},), got {tuple(lam.shape)}")
+        M = m.shape[1]
+        i = torch.arange(M, device=m.device)
+        e = (i[None, :] - i[:, None]).double()  # (M, M) j - i
+        base = (gamma * lam_values.to(m.device))[:, None, None]  # (B, 1, 1)
+        D = torch.where(e >= 0, base ** e.clamp(min=0), 0.0)  # (B, M, M) D[b, i, j] = (γλ_b)^(j-i)
+        A = torch.einsum("bij,bj->bi", D, delta)  # (B, M)
+    else:
+        D = discount_matrix(m.shape[1], gamma * float(lam), m.device)  # (M, M)
+        A = delta @ D.T  # (B, M) A[b, i] = Σ_j D[i, j] δ[b, j]
     A = torch.where(m, A, 0.0)
     Q = torch.where(m, A + V, 0.0)  # (B, M)
     return A.to(out_dtype), Q.to(out_dtype)
+
+
+def adaptive_lam(num_macros: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive λ (2025) over macro actions: λ_b = 1 − 1/(α·L_b), L_b the sample's number of macro
+    actions, clamped to [0, 1] (an answer with α·L_b ≤ 1 gets λ = 0: a one-step TD advantage).  A long answer
+    keeps λ near 1, so its first action still sees the final reward; a short one leans on the critic."""
+    if not alpha > 0:
+        raise ValueError(f"adaptive λ: alpha must be > 0, got {alpha}")
+    L = num_macros.double()
+    return torch.where(L > 0, 1.0 - 1.0 / (alpha * L.clamp(min=1)), 0.0).clamp(0.0, 1.0)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
@@ -192,12 +216,17 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
     whiten_advantages: bool = False,
+    lam_critic: float | None = None,
+    adaptive_lam_alpha: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Token values/rewards + segment ids → token advantages and returns (App. E, Algorithm 1).
 
     Macro values V(ω) = Σσ_i V_i, macro rewards R(ω) ("sum" = paper, "compat" = released code), GAE over
     macro steps, then A and Q broadcast to every token of their macro action; optional token-level
-    whitening of A (tokens are what the loss averages over). Returns adv_tok (B, T), returns_tok (B, T)
+    whitening of A (tokens are what the loss averages over). The actor's advantages use ``lam`` — or, with
+    ``adaptive_lam_alpha`` > 0, each sample's :func:`adaptive_lam` over its macro actions — and the critic's
+    returns Q = A + V use ``lam_critic`` (None: ``lam``; when that is the actor's λ, one GAE; VAPO decouples them,
+    λ_critic = 1 giving unbiased Monte-Carlo value targets). Returns adv_tok (B, T), returns_tok (B, T)
     and stats: adv_l2 / q_l2 (mean per-sample L2 norm over macro steps, the paper's Fig. 11), the same
     over tokens (adv_l2_tok / q_l2_tok), num_macros (mean per sample), macro_len (mean |ω|).
     """
@@ -209,7 +238,11 @@ def compute_advantages(
     macros = macro_batch(seg)
     V, macro_mask = macro_values(values, seg, m, sigma)  # (B, M), (B, M)
     R, _ = macro_rewards(rewards, seg, m, reward_mode, sigma)  # (B, M)
-    A, Q = gae(V, R, macro_mask, gamma, lam)  # (B, M), (B, M)
+    actor_lam = adaptive_lam(macro_mask.sum(1), adaptive_lam_alpha) if adaptive_lam_alpha > 0 else lam
+    A, Q = gae(V, R, macro_mask, gamma, actor_lam)  # (B, M), (B, M)
+    critic_lam = lam if lam_critic is None else lam_critic
+    if adaptive_lam_alpha > 0 or critic_lam != lam:
+        _, Q = gae(V, R, macro_mask, gamma, critic_lam)  # the critic's targets with its own λ
     adv_tok = to_tokens(A, seg)  # (B, T)
     ret_tok = to_tokens(Q, seg)  # (B, T)
     with torch.no_grad():

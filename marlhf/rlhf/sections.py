@@ -61,6 +61,8 @@ class RolloutSection:
     macro_reward: str
     gamma: float
     lam: float
+    lam_critic: float | None  # the critic's GAE λ (None: lam)
+    adaptive_lam_alpha: float  # > 0: the actor's λ per sample, 1 − 1/(α·L) (VAPO)
     whiten_advantages: bool
     zero3_generation: str
     advantage_estimator: str
@@ -73,7 +75,8 @@ class RolloutSection:
     def from_args(cls, args) -> RolloutSection:
         return cls(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value,
                    value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
-                   lam=args.lam, whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
+                   lam=args.lam, lam_critic=args.lam_critic, adaptive_lam_alpha=args.adaptive_lam_alpha,
+                   whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
                    advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
                    kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
                    logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))

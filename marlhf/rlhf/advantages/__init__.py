@@ -158,8 +158,8 @@ def check_estimator_options(
         raise ConfigError(f"{no_critic}: --macro_reward {macro_reward} keeps the last token apart for a critic's "
                           f"σ-average and would do nothing; drop it")
     if gamma != 1.0 or lam_changed:
-        raise ConfigError(f"{no_critic}: --gamma/--lam discount between steps of a response; its return is the "
-                          f"undiscounted sum (use --advantage_estimator gae for GAE)")
+        raise ConfigError(f"{no_critic}: --gamma/--lam/--lam_critic/--adaptive_lam_alpha discount between steps of a "
+                          f"response; its return is the undiscounted sum (use --advantage_estimator gae for GAE)")
     if policy_ratio == "token" and termination_changed:
         raise ConfigError(f"{no_critic}: --termination_condition/--ngram only enter through the macro-level ratio; "
                           f"add --policy_ratio macro or drop them")

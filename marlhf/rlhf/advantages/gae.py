@@ -12,4 +12,5 @@ class MacroGAE(AdvantageEstimator):
     def __call__(self, batch: AdvantageBatch):
         s = self.settings
         return compute_advantages(batch.values, batch.rewards, batch.mask, batch.seg, s.value_function,
-                                  s.macro_reward, s.gamma, s.lam, s.whiten_advantages)
+                                  s.macro_reward, s.gamma, s.lam, s.whiten_advantages, s.lam_critic,
+                                  s.adaptive_lam_alpha)
