@@ -43,8 +43,8 @@ class Experience:
     attention_mask: torch.Tensor  # (B, P+A)
     prompt_width: int  # P
     mask: torch.Tensor  # (B, A) bool, real answer tokens used in the loss (EOS included)
-    logprobs: torch.Tensor  # (B, A) actor log π_old(a_t | s_t)
-    ref_logprobs: torch.Tensor  # (B, A) reference log π_ref
+    logprobs: torch.Tensor | None  # (B, A) actor log π_old(a_t | s_t); None: the update's forward gives it
+    ref_logprobs: torch.Tensor | None  # (B, A) reference log π_ref; None: nothing reads it (β = 0)
     values: torch.Tensor | None  # (B, A) critic V(s_t); None without a critic (critic-free estimators)
     scores: torch.Tensor  # (B,) sequence score (the reward source's)
     rewards: torch.Tensor  # (B, A) per-token rewards (KL penalty unless --kl_penalty loss + score on the last token)
@@ -83,16 +83,20 @@ def critic_values(critic, seq: torch.Tensor, attention_mask: torch.Tensor, P: in
     return token_values(critic, seq, attention_mask)[:, P - 1:-1]
 
 
-def forwards(actor, ref, critic, s: Samples, timer=NO_TIMER,
-             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def forwards(actor, ref, critic, s: Samples, timer=NO_TIMER, temperature: float = 1.0, policy: bool = True,
+             reference: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One forward each of actor, reference and critic: (log π_old, log π_ref, V), each (B, A); V is None
-    without a critic.  ``timer``: :mod:`marlhf.utils.timing` (phases ``forward/actor|ref|critic``);
-    ``temperature``: of both policies' distributions (:func:`logprob_temperature`)."""
+    without a critic, log π_old without ``policy``, log π_ref without ``reference`` (forwards nothing reads:
+    :func:`marlhf.rlhf.sections.needed_forwards`).  ``timer``: :mod:`marlhf.utils.timing` (phases
+    ``forward/actor|ref|critic``); ``temperature``: of both policies' distributions (:func:`logprob_temperature`)."""
     P, seq, attn = s.prompt_width, s.seq, s.attention_mask
-    with timer("forward/actor"):
-        logprobs = policy_logprobs(actor, seq, attn, P, temperature)
-    with timer("forward/ref"):
-        ref_logprobs = policy_logprobs(ref, seq, attn, P, temperature)
+    logprobs = ref_logprobs = None
+    if policy:
+        with timer("forward/actor"):
+            logprobs = policy_logprobs(actor, seq, attn, P, temperature)
+    if reference:
+        with timer("forward/ref"):
+            ref_logprobs = policy_logprobs(ref, seq, attn, P, temperature)
     if critic is None:
         return logprobs, ref_logprobs, None
     with timer("forward/critic"):
@@ -152,29 +156,30 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
     valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
 
     logprobs, ref_logprobs, values = forwards(parts.actor, parts.ref, parts.critic, out, timer,
-                                              settings.logprob_temperature)
+                                              settings.logprob_temperature, settings.policy_forward,
+                                              settings.reference_forward)
     with timer("forward/reward"):
         scores = parts.score(out)
 
     loss_mask = mask & valid[:, None]
-    rewards = token_rewards(logprobs, ref_logprobs, loss_mask, scores, settings.reward_kl_ctl,
-                            settings.clip_reward_value)
+    # a skipped forward is read only with a zero weight (the KL's β = 0): zeros stand in, changing no number
+    lp = logprobs if logprobs is not None else torch.zeros(mask.shape, device=mask.device)
+    ref_lp = ref_logprobs if ref_logprobs is not None else lp
+    rewards = token_rewards(lp, ref_lp, loss_mask, scores, settings.reward_kl_ctl, settings.clip_reward_value)
     t1 = time.time()
     with timer("macro"):  # termination rule -> segment ids -> advantages and returns
         seg, fallbacks = parts.segmenter(answer, loss_mask, ref_logprobs, step, batch, logprobs=logprobs)
-        advantages, returns, mstats = parts.estimator(AdvantageBatch(loss_mask, valid, seg, logprobs, ref_logprobs,
+        advantages, returns, mstats = parts.estimator(AdvantageBatch(loss_mask, valid, seg, lp, ref_lp,
                                                                      values, rewards, scores))
     macro_time = time.time() - t1
     exp = Experience(out.seq, out.attention_mask, out.prompt_width, loss_mask, logprobs, ref_logprobs, values,
                      scores, rewards, seg, advantages, returns)
-    kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
     n_valid = valid.sum().clamp(min=1)
     clipped = clipped_share(scores, settings.clip_reward_value)
     _warn_if_flattened(clipped, settings.clip_reward_value)
     stats = {"reward": scores.mean().item(),
              "clipped_scores": clipped,
              "reward_valid": (scores * valid).sum().item() / n_valid.item(),
-             "kl": (kl.sum() / n_valid).item(),
              "return": returns[:, 0].mean().item() if returns.shape[1] else 0.0,
              "response_len": length.float().mean().item(),
              "eos_rate": ended.float().mean().item(),
@@ -182,4 +187,7 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
              "parse_fallbacks": float(fallbacks),
              "gen_seconds": gen_time, "macro_seconds": macro_time,
              **{k: float(v) for k, v in mstats.items()}}
+    if logprobs is not None and ref_logprobs is not None:  # the KL to the reference, when both were computed
+        kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
+        stats["kl"] = (kl.sum() / n_valid).item()
     return exp, stats

@@ -9,6 +9,7 @@ their own: a field missing from the flags is an error here, not a second default
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -24,6 +25,23 @@ def logprob_temperature(choice: str, temperature: float) -> float:
     if choice in ("1", "1.0"):
         return 1.0
     raise ValueError(f"--logprob_temperature must be '1' or 'sampling', got {choice!r}")
+
+
+def needed_forwards(*, kl_ctl: float, kl_penalty: str, ppo_epochs: int, actor_micro_steps: int,
+                    gradient_accumulation_steps: int, rule_inputs: frozenset[str]) -> tuple[bool, bool]:
+    """(policy forward, reference forward) a rollout must run; skipping one changes no number.
+
+    The reference's log-probabilities are read by the KL (β = ``kl_ctl`` ≠ 0) and by rules that segment on them
+    (ppl, lowprob).  π_old needs a forward of its own unless the update's forward gives the same values: one PPO
+    epoch whose actor micro-steps (``actor_micro_steps``, ptx ones included) make exactly one optimizer step, so
+    no update comes between the rollout and any of its micro-batches — then log π_old = log π of that forward,
+    detached (the ratio is 1, its gradient A·∇log π; TRL's num_iterations = 1) — and nothing else reads π_old at
+    rollout time: no KL in the reward, no rule on the policy's probabilities."""
+    reference = kl_ctl != 0 or "ref_logprobs" in rule_inputs
+    reward_kl = kl_ctl if kl_penalty == "reward" else 0.0
+    one_update = ppo_epochs == 1 and actor_micro_steps == gradient_accumulation_steps
+    policy = not (one_update and reward_kl == 0 and "logprobs" not in rule_inputs)
+    return policy, reference
 
 
 @dataclass(frozen=True)
@@ -70,16 +88,28 @@ class RolloutSection:
     kl_penalty: str
     grpo_normalization: str
     logprob_temperature: float  # T of π = softmax(logits / T) for π_old and π_ref
+    policy_forward: bool  # log π_old from a forward of its own (False: the update's forward gives it)
+    reference_forward: bool  # log π_ref (False: nothing reads it)
 
     @classmethod
-    def from_args(cls, args) -> RolloutSection:
+    def from_args(cls, args, rule_inputs: frozenset[str] = frozenset({"logprobs", "ref_logprobs"})) -> RolloutSection:
+        """The flags; ``rule_inputs``: what the run's termination rule reads (the trainer passes the rule's own,
+        :func:`marlhf.rlhf.termination.rule_inputs`; by default both forwards run)."""
+        with_ptx = bool(getattr(args, "unsupervised_dataset_name", "")) and args.unsup_coef != 0
+        micro = math.ceil(args.per_device_generation_batch_size * args.num_samples_per_prompt
+                          / args.per_device_training_batch_size) * args.generation_batches * args.ppo_epochs
+        policy, reference = needed_forwards(kl_ctl=args.kl_ctl, kl_penalty=args.kl_penalty, ppo_epochs=args.ppo_epochs,
+                                            actor_micro_steps=micro * (2 if with_ptx else 1),
+                                            gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                            rule_inputs=rule_inputs)
         return cls(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value,
                    value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
                    lam=args.lam, lam_critic=args.lam_critic, adaptive_lam_alpha=args.adaptive_lam_alpha,
                    whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
                    advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
                    kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
-                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))
+                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature),
+                   policy_forward=policy, reference_forward=reference)
 
     @property
     def reward_kl_ctl(self) -> float:

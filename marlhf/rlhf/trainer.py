@@ -26,6 +26,7 @@ from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema
 from marlhf.rlhf.rollout import Experience, RolloutParts, make_experience
 from marlhf.rlhf.sections import BatchSection, MacroSection, RolloutSection, UpdateSection
 from marlhf.rlhf.segmentation import MacroSegmenter
+from marlhf.rlhf.termination import rule_inputs
 from marlhf.rlhf.update import ppo_update
 from marlhf.utils import dist
 from marlhf.utils.optim_step import StepGuard
@@ -52,7 +53,8 @@ class MAPPOSections:
     @classmethod
     def from_args(cls, args, *, response_kind: str, stop_ids, pad_id: int) -> MAPPOSections:
         """Step 3's flags, with the run's resolved response kind and the tokenizer's stop and pad ids."""
-        return cls(macro=MacroSection.from_args(args, response_kind), rollout=RolloutSection.from_args(args),
+        macro = MacroSection.from_args(args, response_kind)
+        return cls(macro=macro, rollout=RolloutSection.from_args(args, rule_inputs(macro)),
                    update=UpdateSection.from_args(args), batches=BatchSection.from_args(args),
                    loop=loop.LoopSection.from_args(args), generation=GenerationConfig.from_args(args, stop_ids, pad_id),
                    max_skipped_steps=args.max_skipped_steps, ema_decay=args.ema_decay,
@@ -125,7 +127,7 @@ class MAPPOTrainer(loop.Recipe):
         return None if self._evaluate is None else self._evaluate()
 
     def postfix(self, stats: dict) -> dict:
-        return {"reward": f"{stats['reward']:.3f}", "kl": f"{stats['kl']:.3f}"}
+        return {"reward": f"{stats['reward']:.3f}", **({"kl": f"{stats['kl']:.3f}"} if "kl" in stats else {})}
 
     def describe(self, steps_per_epoch: int, total: int, start: int) -> None:
         m, r = self.sections.macro, self.rollout

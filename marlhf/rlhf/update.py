@@ -51,9 +51,12 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
         P = mb.prompt_width
         with timer("train/actor"):
             logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P, s.logprob_temperature)
-            pl, pstats = policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, s.cliprange,
-                                     seg=mb.seg, ratio=s.policy_ratio)
-            if s.kl_penalty == "loss":  # GRPO's KL term: a token mean, like the policy loss it joins
+            # no π_old from the rollout: no update has come since it (one epoch, one optimizer step), so it is
+            # this forward's value (sections.needed_forwards)
+            old = mb.logprobs if mb.logprobs is not None else logprobs.detach()
+            pl, pstats = policy_loss(logprobs, old, mb.advantages, mb.mask, s.cliprange, seg=mb.seg,
+                                     ratio=s.policy_ratio)
+            if s.kl_penalty == "loss" and mb.ref_logprobs is not None:  # GRPO's KL term (none when β = 0)
                 kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
                 pstats["kl_loss"] = kl.detach()
                 pl = pl + s.kl_ctl * kl

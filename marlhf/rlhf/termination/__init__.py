@@ -50,9 +50,20 @@ class TerminationRule:
     def starts(self, answers: Answers) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @classmethod
+    def inputs(cls, section: MacroSection) -> frozenset[str]:
+        """The log-probabilities the rule reads beside the ids and mask: "ref_logprobs" (the reference's),
+        "logprobs" (the sampling policy's); a rollout skips a forward nothing needs (none by default)."""
+        return frozenset()
+
 
 RULES = Registry(__name__, "termination rule", "termination_condition")
 register = RULES.register
+
+
+def rule_inputs(section: MacroSection) -> frozenset[str]:
+    """What the rule ``section`` names reads (:meth:`TerminationRule.inputs`), without building it."""
+    return RULES.lookup(section.termination_condition).inputs(section)
 
 
 def build_rule(section: MacroSection, tokenizer=None) -> TerminationRule:

@@ -9,6 +9,10 @@ from marlhf.rlhf.termination import Answers, TerminationRule, register
 
 @register("lowprob")
 class LowProbability(TerminationRule):
+    @classmethod
+    def inputs(cls, section):
+        return frozenset({"logprobs" if section.lowprob_model == "policy" else "ref_logprobs"})
+
     def starts(self, answers: Answers):
         if self.section.lowprob_model == "policy":
             if answers.logprobs is None:

@@ -6,5 +6,9 @@ from marlhf.rlhf.termination import Answers, TerminationRule, register
 
 @register("ppl")
 class Perplexity(TerminationRule):
+    @classmethod
+    def inputs(cls, section):
+        return frozenset({"ref_logprobs"})
+
     def starts(self, answers: Answers):
         return ppl_starts(answers.mask, answers.ref_logprobs, None)
