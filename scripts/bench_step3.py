@@ -211,6 +211,10 @@ def parse_cli(argv=None):
                     help="start no further round of repeats once the run would pass this many seconds (0: no limit;"
                          " every round times every variant, so the round-robin stays whole)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--extra_flags", default="", help="step-3 flags added to every variant's, e.g. '--kl_penalty loss'")
+    ap.add_argument("--all_forwards", action="store_true",
+                    help="run the π_old and π_ref forwards even where nothing reads them (the two-pass rollout, "
+                         "to time what marlhf.rlhf.sections.needed_forwards saves)")
     ap.add_argument("--out", default=DEFAULT_OUT)
     cli = ap.parse_args(argv)
     q = cli.quick
@@ -243,7 +247,7 @@ def main(argv=None) -> None:
     # 1. one RLHF engine (with a critic) and each variant's trainer over it; critic-free ones see no critic
     model_dir = str(embedded.prepare(size=cli.size).model_dir)
     with tempfile.TemporaryDirectory(prefix="bench_step3_") as tmp:  # only the tokenized-data cache
-        argv = base_argv(cli, model_dir, tmp)
+        argv = base_argv(cli, model_dir, tmp) + cli.extra_flags.split()
         args = {v: variant_args(v, argv, cli.batch) for v in cli.variants}
         dist.init_distributed()
         dist.set_seed(cli.seed)
@@ -261,6 +265,9 @@ def main(argv=None) -> None:
         sections = MAPPOSections.from_args(args[v], response_kind=context["response_kind"],
                                            stop_ids=stop_token_ids(tok, fmt.end_of_conversation_token),
                                            pad_id=tok.pad_token_id)
+        if cli.all_forwards:
+            sections = dataclasses.replace(sections, rollout=dataclasses.replace(
+                sections.rollout, policy_forward=True, reference_forward=True))
         trainers[v] = MAPPOTrainer(view, tok, sections)
         n = args[v].per_device_generation_batch_size
         batches[v] = PromptCollator(tok.pad_token_id)(prompts[:n])  # collated alone: no extra left padding
