@@ -408,12 +408,16 @@ class RLHFArgs(BaseArgs):
     # --- advantage estimator (issue 11; marlhf/rlhf/estimators.py says which combinations are meaningful) ---
     advantage_estimator: str = opt("gae", "gae: macro GAE with a critic (MA-PPO); rloo: leave-one-out baseline over "
                                    "the K samples of a prompt; grpo: (R - mean) / std over them; reinforce: batch-mean "
-                                   "baseline. The last three treat the response as one action and build no critic "
-                                   "(one module each in marlhf/rlhf/advantages).",
+                                   "baseline (these three treat the response as one action); mc_macro: macro "
+                                   "advantages on Monte-Carlo values of each macro boundary (--mc_rollouts). None "
+                                   "but gae builds a critic (one module each in marlhf/rlhf/advantages).",
                                    choices=Components("marlhf.rlhf.advantages"))
     num_samples_per_prompt: int = opt(1, "K answers sampled per prompt (a group: generated, scored and given "
                                       "advantages together on one rank); --per_device_generation_batch_size counts "
                                       "prompts, so a generation batch holds that many x K experiences.")
+    mc_rollouts: int = opt(4, "mc_macro: continuations sampled with the current policy from each macro action's start "
+                           "state; their mean score is its Monte-Carlo value (VinePPO). Costs that many extra "
+                           "answers per macro action.")
     grpo_normalization: str = opt("std", "grpo: divide the centred group returns by the group's std (GRPO), or not "
                                   "('none': Dr. GRPO, Liu et al. 2025).", choices=("std", "none"))
     kl_penalty: str = opt("reward", "The β = --kl_ctl KL penalty: per token in the reward (-β(logπ - logπ_ref), "
@@ -431,6 +435,8 @@ class RLHFArgs(BaseArgs):
             raise ValueError(f"--lowprob_threshold must be in (0, 1), got {self.lowprob_threshold}")
         if self.reward_source == "rm":
             self.reward_source = "reward_model"
+        if self.mc_rollouts < 1:
+            raise ValueError(f"--mc_rollouts must be >= 1, got {self.mc_rollouts}")
         if self.reward_workers < 1:
             raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
         self.validate_reward_flags()

@@ -24,7 +24,7 @@ def test_the_flags_offer_exactly_the_registered_components():
     assert set(field_choices("termination_condition")) == set(termination.RULES) == {
         "fixed", "randomized", "ppl", "parsing", "word", "lowprob"}
     assert set(field_choices("advantage_estimator")) == set(advantages.ESTIMATORS) == {
-        "gae", "rloo", "grpo", "reinforce"}
+        "gae", "rloo", "grpo", "reinforce", "mc_macro"}
 
 
 def test_a_component_must_live_in_a_module_of_its_name():
@@ -111,7 +111,7 @@ def test_a_new_rule_and_estimator_are_one_file_each(package_folder):
 def test_an_unknown_component_names_the_valid_ones():
     with pytest.raises(ValueError, match="fixed, lowprob, parsing, ppl, randomized, word"):
         termination.build_rule(MacroSection("nope", 5, 3, "auto", 5, "", "text", 0.1, "reference", False))
-    with pytest.raises(ValueError, match="gae, grpo, reinforce, rloo"):
+    with pytest.raises(ValueError, match="gae, grpo, mc_macro, reinforce, rloo"):
         advantages.estimator_class("ppo")
 
 

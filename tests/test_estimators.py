@@ -281,10 +281,11 @@ def test_meaningful_combinations_pass(change):
 
 
 def test_only_gae_needs_a_critic():
-    assert set(ESTIMATORS) == {"gae", "rloo", "grpo", "reinforce"}
+    assert set(ESTIMATORS) == {"gae", "rloo", "grpo", "reinforce", "mc_macro"}
     assert estimator_class("gae").needs_critic
-    assert not any(estimator_class(e).needs_critic for e in ("rloo", "grpo", "reinforce"))
-    assert [estimator_class(e).min_group for e in ("gae", "rloo", "grpo", "reinforce")] == [1, 2, 2, 1]
+    assert not any(estimator_class(e).needs_critic for e in ("rloo", "grpo", "reinforce", "mc_macro"))
+    assert [estimator_class(e).min_group for e in ("gae", "rloo", "grpo", "reinforce", "mc_macro")] == [1, 2, 2, 1, 1]
+    assert [e for e in ESTIMATORS if estimator_class(e).mc_values] == ["mc_macro"]
     with pytest.raises(ValueError, match="advantage_estimator"):
         estimator_class("ppo")
 

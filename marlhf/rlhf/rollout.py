@@ -15,6 +15,7 @@ there is no critic forward and ``values`` is None.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -124,11 +125,74 @@ class RolloutParts:
     actor: object
     ref: object
     critic: object | None  # None for the estimators without one
-    score: Callable[[Samples], torch.Tensor]  # the samples -> (B·K,) sequence scores (the reward source)
+    score: Callable  # (samples[, rows]) -> (N,) sequence scores (the reward source); ``rows``: the batch row each
+    #                  sample answers (default: row i), for its prompt's meta
     segmenter: object  # marlhf.rlhf.segmentation.MacroSegmenter: answers -> (segment ids, parse fallbacks)
     estimator: AdvantageEstimator  # marlhf.rlhf.advantages
     generation: GenerationConfig
     settings: RolloutSection
+
+
+def pack_samples(rows: list[tuple[list[int], list[int], bool]], P: int, A: int, pad_id: int,
+                 device) -> Samples:
+    """Samples from (prompt ids, answer ids, ended) rows: prompts left-padded to width ``P``, answers right-padded
+    to ``A`` (each answer's real tokens are all of its ids)."""
+    N = len(rows)
+    seq = torch.full((N, P + A), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, P + A), dtype=torch.long)
+    for i, (prompt, answer, _) in enumerate(rows):
+        seq[i, P - len(prompt):P] = torch.tensor(prompt, dtype=torch.long)
+        attn[i, P - len(prompt):P] = 1
+        seq[i, P:P + len(answer)] = torch.tensor(answer, dtype=torch.long)
+        attn[i, P:P + len(answer)] = 1
+    ended = torch.tensor([e for _, _, e in rows], dtype=torch.bool)
+    seq, attn = seq.to(device), attn.to(device)
+    return Samples(seq, attn, P, attn[:, P:].bool(), ended.to(device))
+
+
+@torch.no_grad()
+def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, K: int,
+                       generation: GenerationConfig, clip_reward_value: float | None, zero3_generation: str = "gather",
+                       chunk: int = 64) -> tuple[torch.Tensor, int]:
+    """V̂(s_k) of every macro action's start state (VinePPO / SPO): from s_k = prompt + the answer's tokens before
+    macro action k, K continuations sampled with the current policy, the answer's token budget kept (a
+    continuation is cut at A − t tokens, and then did not end); V̂(s_k) = the mean of their clipped scores.
+    ``score(samples, rows)``: the reward source on samples whose row i continues answer ``rows[i]``.  Returns
+    ((B, M) float32, 0 past a sample's last action; the number of continuations sampled)."""
+    P, A = out.prompt_width, out.seq.shape[1] - out.prompt_width
+    B, M = seg.shape[0], int(seg.max().item()) + 1 if seg.numel() and bool((seg >= 0).any()) else 0
+    values = torch.zeros((B, M), dtype=torch.float32, device=seg.device)
+    states = [(b, k, int((seg[b] == k).nonzero()[0, 0])) for b in range(B) for k in range(int(seg[b].max()) + 1)
+              if bool((seg[b] >= 0).any())]
+    cfg = dataclasses.replace(generation, max_new_tokens=max(A, 1))
+    for lo in range(0, len(states), chunk):
+        part = states[lo:lo + chunk]
+        prompts = [out.seq[b, :P][out.attention_mask[b, :P].bool()].tolist() for b, _, _ in part]
+        prefixes = [out.seq[b, P:P + t].tolist() for b, _, t in part]
+        width = max(len(p) + len(x) for p, x in zip(prompts, prefixes))
+        ids = torch.full((len(part), width), generation.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(part), width), dtype=torch.long)
+        for i, (p, x) in enumerate(zip(prompts, prefixes)):
+            ids[i, width - len(p) - len(x):] = torch.tensor(p + x, dtype=torch.long)
+            mask[i, width - len(p) - len(x):] = 1
+        cont = sample(actor, ids.to(out.seq.device), mask.to(out.seq.device), cfg, num_samples=K,
+                      zero3_generation=zero3_generation)
+        rows, owners = [], []
+        for i, (b, _, t) in enumerate(part):
+            for j in range(K):
+                r = i * K + j
+                n = int(cont.answer_mask[r].sum())
+                keep = min(n, A - t)
+                rows.append((prompts[i], prefixes[i] + cont.answers[r, :keep].tolist(),
+                             bool(cont.ended[r]) and n <= A - t))
+                owners.append(b)
+        scores = score(pack_samples(rows, P, A, generation.pad_id, out.seq.device), owners).float()
+        if clip_reward_value is not None:
+            scores = scores.clamp(-clip_reward_value, clip_reward_value)
+        means = scores.reshape(len(part), K).mean(dim=1)
+        for i, (b, k, _) in enumerate(part):
+            values[b, k] = means[i]
+    return values, len(states) * K
 
 
 @torch.no_grad()
@@ -167,11 +231,20 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
     ref_lp = ref_logprobs if ref_logprobs is not None else lp
     rewards = token_rewards(lp, ref_lp, loss_mask, scores, settings.reward_kl_ctl, settings.clip_reward_value)
     t1 = time.time()
-    with timer("macro"):  # termination rule -> segment ids -> advantages and returns
+    with timer("macro"):  # termination rule -> segment ids
         seg, fallbacks = parts.segmenter(answer, loss_mask, ref_logprobs, step, batch, logprobs=logprobs)
+    mc_values, mc_stats = None, {}
+    if parts.estimator.mc_values:  # Monte-Carlo values of the macro boundaries (mc_macro)
+        t_mc = time.time()
+        with timer("generation/mc"):
+            mc_values, n = monte_carlo_values(parts.actor, parts.score, out, seg, settings.mc_rollouts,
+                                              parts.generation, settings.clip_reward_value,
+                                              settings.zero3_generation)
+        mc_stats = {"mc_continuations": float(n), "mc_seconds": time.time() - t_mc}
+    with timer("macro"):  # advantages and returns
         advantages, returns, mstats = parts.estimator(AdvantageBatch(loss_mask, valid, seg, lp, ref_lp,
-                                                                     values, rewards, scores))
-    macro_time = time.time() - t1
+                                                                     values, rewards, scores, mc_values))
+    macro_time = time.time() - t1 - mc_stats.get("mc_seconds", 0.0)
     exp = Experience(out.seq, out.attention_mask, out.prompt_width, loss_mask, logprobs, ref_logprobs, values,
                      scores, rewards, seg, advantages, returns)
     n_valid = valid.sum().clamp(min=1)
@@ -186,7 +259,7 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
              "invalid_answers": float((~valid).sum().item()),
              "parse_fallbacks": float(fallbacks),
              "gen_seconds": gen_time, "macro_seconds": macro_time,
-             **{k: float(v) for k, v in mstats.items()}}
+             **mc_stats, **{k: float(v) for k, v in mstats.items()}}
     if logprobs is not None and ref_logprobs is not None:  # the KL to the reference, when both were computed
         kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
         stats["kl"] = (kl.sum() / n_valid).item()

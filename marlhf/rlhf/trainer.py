@@ -87,8 +87,9 @@ class MAPPOTrainer(loop.Recipe):
         # sample() puts prompt i's K answers in rows i*K .. i*K+K-1: each gets its prompt's meta
         meta_rows = None if meta is None else [m for m in meta for _ in range(K)]
 
-        def score(s: Samples) -> torch.Tensor:
-            return score_samples(self.reward, self.tokenizer, s, meta_rows)
+        def score(s: Samples, rows: list[int] | None = None) -> torch.Tensor:
+            meta = meta_rows if rows is None or meta_rows is None else [meta_rows[r] for r in rows]
+            return score_samples(self.reward, self.tokenizer, s, meta)
 
         parts = RolloutParts(self.rlhf.actor, self.rlhf.ref, self.rlhf.critic, score, self.segmenter, self.estimator,
                              self.gen_cfg, self.rollout)

@@ -40,6 +40,7 @@ class AdvantageBatch:
     values: torch.Tensor | None  # critic V(s_t); None without a critic
     rewards: torch.Tensor  # per-token rewards (KL penalty + the clipped score on the last token)
     scores: torch.Tensor  # (B,) the reward source's sequence scores
+    mc_values: torch.Tensor | None = None  # (B, M) Monte-Carlo V̂ of each macro action's start state (mc_values)
 
 
 class AdvantageEstimator:
@@ -50,6 +51,8 @@ class AdvantageEstimator:
     name: ClassVar[str] = ""
     needs_critic: ClassVar[bool] = False
     min_group: ClassVar[int] = 1
+    mc_values: ClassVar[bool] = False  # the rollout samples continuations from each macro boundary for it
+    macro_level: ClassVar[bool] = False  # its advantages differ between the macro actions of an answer
 
     def __init__(self, settings: RolloutSection):
         self.settings = settings
@@ -123,6 +126,7 @@ def check_estimator_options(
                  standard methods) or macro: the response's advantage with the ratio and its clipping per
                  macro action of any termination rule (n = ∞ gives one sequence-level ratio).
       reinforce  as rloo, with K ≥ 1 (its baseline is the batch mean).
+      mc_macro   any termination rule, γ, --macro_reward, either ratio; no critic values or λ.
     Rejected for the critic-free estimators (there is no critic and the response is one action):
       --value_function other than equal (σ weights critic values), --macro_reward compat (it exists to keep
       the RM score out of a σ-average of values), --gamma ≠ 1 and --lam (discounting/GAE between steps of a
@@ -149,6 +153,11 @@ def check_estimator_options(
         raise ConfigError(f"--grpo_normalization {grpo_normalization} only applies to --advantage_estimator grpo "
                           f"(got {estimator})")
     if ESTIMATORS[estimator].needs_critic:  # macro GAE: everything MA-PPO offers
+        return
+    if ESTIMATORS[estimator].macro_level:  # macro advantages without a critic (mc_macro): no critic values, no GAE
+        if value_function != "equal" or lam_changed:
+            raise ConfigError(f"--advantage_estimator {estimator} has no critic and no GAE: --value_function / --lam "
+                              f"/ --lam_critic / --adaptive_lam_alpha would do nothing; drop them")
         return
     no_critic = f"--advantage_estimator {estimator} has no critic and treats the response as one action"
     if value_function != "equal":
