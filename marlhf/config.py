@@ -418,6 +418,10 @@ class RLHFArgs(BaseArgs):
     mc_rollouts: int = opt(4, "mc_macro: continuations sampled with the current policy from each macro action's start "
                            "state; their mean score is its Monte-Carlo value (VinePPO). Costs that many extra "
                            "answers per macro action.")
+    critic_mc_check: int = opt(0, "> 0: with a critic (gae), sample that many continuations from every macro boundary "
+                               "each step and log how well the critic's V(s_k) agrees with their mean score "
+                               "(train/critic_mc_corr, train/critic_mc_rmse; VinePPO's diagnostic). Costs that many "
+                               "extra answers per macro action; 0: off.")
     grpo_normalization: str = opt("std", "grpo: divide the centred group returns by the group's std (GRPO), or not "
                                   "('none': Dr. GRPO, Liu et al. 2025).", choices=("std", "none"))
     kl_penalty: str = opt("reward", "The β = --kl_ctl KL penalty: per token in the reward (-β(logπ - logπ_ref), "
@@ -435,6 +439,8 @@ class RLHFArgs(BaseArgs):
             raise ValueError(f"--lowprob_threshold must be in (0, 1), got {self.lowprob_threshold}")
         if self.reward_source == "rm":
             self.reward_source = "reward_model"
+        if self.critic_mc_check < 0:
+            raise ValueError(f"--critic_mc_check must be >= 0 (0: off), got {self.critic_mc_check}")
         if self.mc_rollouts < 1:
             raise ValueError(f"--mc_rollouts must be >= 1, got {self.mc_rollouts}")
         if self.reward_workers < 1:

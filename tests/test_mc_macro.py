@@ -120,3 +120,34 @@ def test_mc_macro_flags():
         parse_args(RLHFArgs, ["--advantage_estimator", "mc_macro", "--mc_rollouts", "0"])
     with pytest.raises(ConfigError, match="no critic and no GAE"):
         parse_args(RLHFArgs, ["--advantage_estimator", "mc_macro", "--lam", "0.5"])
+
+
+def test_the_critic_is_checked_against_monte_carlo_values(tmp_path):
+    """--critic_mc_check K with macro GAE: the critic's value before each macro action against the mean score of
+    K continuations from there, as a correlation and an RMS gap (VinePPO's diagnostic), computed by a loop."""
+    import statistics
+
+    from marlhf.rlhf.rollout import critic_mc_agreement
+
+    seg = torch.tensor([[0, 0, 1, 1, 2], [0, 1, -1, -1, -1], [-1, -1, -1, -1, -1]])
+    values = torch.tensor([[0.5, 9.0, 1.5, 9.0, 2.0], [0.1, 0.7, 0, 0, 0], [0.0] * 5])
+    mc = torch.tensor([[0.4, 1.0, 2.5], [0.0, 0.9, 0.0], [0.0, 0.0, 0.0]])
+    got = critic_mc_agreement(values, mc, seg)
+    critic, target = [0.5, 1.5, 2.0, 0.1, 0.7], [0.4, 1.0, 2.5, 0.0, 0.9]  # the first token of each action
+    assert got["critic_mc_corr"] == pytest.approx(statistics.correlation(critic, target), abs=1e-6)
+    rmse = math.sqrt(sum((a - b) ** 2 for a, b in zip(critic, target)) / 5)
+    assert got["critic_mc_rmse"] == pytest.approx(rmse, abs=1e-6)
+
+    from ppo_harness import make_trainer, prompts, rlhf_args
+
+    from marlhf import embedded
+
+    nano = embedded.prepare(size="nano").model_dir
+    args = rlhf_args(nano, tmp_path, critic_mc_check=2, ngram=6, per_device_generation_batch_size=3,
+                     per_device_training_batch_size=3)
+    t = make_trainer(args)
+    ids, mask = prompts(args, t.tokenizer, 3)
+    _, stats = t.make_experience(ids, mask, step=0)
+    assert stats["mc_continuations"] > 0 and -1 <= stats["critic_mc_corr"] <= 1 and stats["critic_mc_rmse"] >= 0
+    with pytest.raises(ConfigError, match="--critic_mc_check must be >= 0"):
+        parse_args(RLHFArgs, ["--critic_mc_check", "-1"])

@@ -195,6 +195,26 @@ def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, 
     return values, len(states) * K
 
 
+def critic_mc_agreement(values: torch.Tensor, mc_values: torch.Tensor, seg: torch.Tensor) -> dict[str, float]:
+    """How well the critic's V(s_k) — its value at the first token of macro action k, the state before it —
+    agrees with the Monte-Carlo V̂(s_k) (VinePPO's diagnostic): Pearson correlation and root-mean-square gap over
+    every macro boundary of the batch."""
+    M = mc_values.shape[1]
+    first = torch.zeros_like(mc_values, dtype=torch.bool)
+    critic = torch.zeros_like(mc_values)
+    for b in range(seg.shape[0]):
+        for k in range(int(seg[b].max()) + 1 if bool((seg[b] >= 0).any()) else 0):
+            t = int((seg[b] == k).nonzero()[0, 0])
+            first[b, k], critic[b, k] = True, values[b, t].float()
+    x, y = critic[first[:, :M]].double(), mc_values[first[:, :M]].double()
+    if x.numel() < 2:
+        return {}
+    xc, yc = x - x.mean(), y - y.mean()
+    denom = (xc.square().sum() * yc.square().sum()).sqrt()
+    corr = float((xc * yc).sum() / denom) if denom > 0 else float("nan")
+    return {"critic_mc_corr": corr, "critic_mc_rmse": float((x - y).square().mean().sqrt())}
+
+
 @torch.no_grad()
 def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, step: int,
                     batch: int = 0, timer=NO_TIMER) -> tuple[Experience, dict]:
@@ -234,13 +254,16 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
     with timer("macro"):  # termination rule -> segment ids
         seg, fallbacks = parts.segmenter(answer, loss_mask, ref_logprobs, step, batch, logprobs=logprobs)
     mc_values, mc_stats = None, {}
-    if parts.estimator.mc_values:  # Monte-Carlo values of the macro boundaries (mc_macro)
+    check = values is not None and settings.critic_mc_check > 0  # the critic against Monte-Carlo values
+    if parts.estimator.mc_values or check:  # Monte-Carlo values of the macro boundaries (mc_macro)
         t_mc = time.time()
         with timer("generation/mc"):
-            mc_values, n = monte_carlo_values(parts.actor, parts.score, out, seg, settings.mc_rollouts,
-                                              parts.generation, settings.clip_reward_value,
-                                              settings.zero3_generation)
+            K = settings.mc_rollouts if parts.estimator.mc_values else settings.critic_mc_check
+            mc_values, n = monte_carlo_values(parts.actor, parts.score, out, seg, K, parts.generation,
+                                              settings.clip_reward_value, settings.zero3_generation)
         mc_stats = {"mc_continuations": float(n), "mc_seconds": time.time() - t_mc}
+        if check:
+            mc_stats.update(critic_mc_agreement(values, mc_values, seg))
     with timer("macro"):  # advantages and returns
         advantages, returns, mstats = parts.estimator(AdvantageBatch(loss_mask, valid, seg, lp, ref_lp,
                                                                      values, rewards, scores, mc_values))

@@ -89,6 +89,7 @@ class RolloutSection:
     grpo_normalization: str
     logprob_temperature: float  # T of π = softmax(logits / T) for π_old and π_ref
     mc_rollouts: int  # mc_macro: continuations sampled from each macro boundary
+    critic_mc_check: int  # > 0: with a critic, that many continuations per boundary to check its values
     policy_forward: bool  # log π_old from a forward of its own (False: the update's forward gives it)
     reference_forward: bool  # log π_ref (False: nothing reads it)
 
@@ -110,7 +111,8 @@ class RolloutSection:
                    advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
                    kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
                    logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature),
-                   mc_rollouts=args.mc_rollouts, policy_forward=policy, reference_forward=reference)
+                   mc_rollouts=args.mc_rollouts, critic_mc_check=args.critic_mc_check,
+                   policy_forward=policy, reference_forward=reference)
 
     @property
     def reward_kl_ctl(self) -> float:
