@@ -60,6 +60,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("ppl", "MA-PPO ppl", ("--termination_condition", "ppl")),
     Variant("parsing", "MA-PPO parsing", ("--termination_condition", "parsing")),
     Variant("word", "MA-PPO word", ("--termination_condition", "word")),
+    Variant("lowprob", "MA-PPO lowprob (τ = 0.1)", ("--termination_condition", "lowprob"),
+            needs=("lowprob_threshold",)),
     Variant("n5_sigma_unit", "MA-PPO n = 5, σ unit", _fixed("5", "--value_function", "unit")),
     Variant("n5_sigma_position", "MA-PPO n = 5, σ position", _fixed("5", "--value_function", "position")),
     Variant("n5_ratio_macro", "MA-PPO n = 5, macro ratio", _fixed("5", "--policy_ratio", "macro")),
@@ -73,6 +75,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
                                                     *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization")),
     Variant("reinforce", "REINFORCE", ("--advantage_estimator", "reinforce"), needs=("advantage_estimator",)),
+    # Monte-Carlo macro values (VinePPO): no critic, K = 4 continuations from every boundary of n = 5 actions
+    Variant("mc_macro", "MC macro values (n = 5, K = 4)", ("--advantage_estimator", "mc_macro", "--mc_rollouts", "4"),
+            needs=("advantage_estimator", "mc_rollouts")),
 ]}
 
 # reward setting -> (step-3 flags, the held-out score it optimises)
