@@ -72,8 +72,8 @@ from marlhf.utils.timing import NO_TIMER, PhaseTimer  # noqa: E402
 QUICK_VARIANTS = ["ppo", "n5", "grpo"]
 DEFAULT_OUT = "docs/results/cost_per_step.json"
 # the timer's phase names → the reported phases (the rest of the step is "other")
-PHASE_OF = {"generation": "generation", "forward/actor": "forwards", "forward/ref": "forwards",
-            "forward/critic": "forwards", "forward/reward": "forwards", "macro": "macro",
+PHASE_OF = {"generation": "generation", "generation/mc": "generation", "forward/actor": "forwards",
+            "forward/ref": "forwards", "forward/critic": "forwards", "forward/reward": "forwards", "macro": "macro",
             "train/actor": "training", "train/critic": "training", "train/ptx": "training"}
 
 
