@@ -265,9 +265,14 @@ class RewardArgs(SupervisedArgs):
                                 "the head sees whether each answer token was to be expected, which a score head on "
                                 "the last token learns poorly (a replaced fact).  Costs one vocabulary-wide "
                                 "projection per answer token when scoring.")
+    likelihood_norm: str = opt("sum", "The likelihood term over the answer: 'sum' α·Σ log p (longer answers score "
+                               "lower by their length alone), 'mean' α·mean log p (no length bias). A folder's "
+                               "term keeps the norm it was trained with.", choices=("sum", "mean"))
 
     def validate(self) -> None:
         super().validate()
+        if self.likelihood_norm != "sum" and not self.likelihood_term:
+            raise ValueError("--likelihood_norm is for --likelihood_term; add it or drop the flag")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 

@@ -274,7 +274,7 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
     if is_value:
         model = load_value_model(base, tok)
         if any(k.startswith("likelihood.") for k in state):  # step 2 with --likelihood_term
-            attach_likelihood_term(model)
+            attach_likelihood_term(model, args.get("likelihood_norm", "sum"))
     else:
         model = load_causal_lm(base, tok, end_of_conversation_token=fmt.end_of_conversation_token)
     if src.step == 3 and src.role == "critic":

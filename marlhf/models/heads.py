@@ -33,17 +33,21 @@ def fp32_head(linear: nn.Module) -> nn.Module:
 
 
 class LikelihoodTerm(nn.Module):
-    """α · Σ log p(answer token | what precedes it), from a next-token head over the reward model's hidden states.
+    """α · Σ log p(answer token | what precedes it), from a next-token head over the reward model's hidden states
+    (``norm="mean"``: α times the mean log p over the answer's tokens).
 
     A score head reading the last position does not learn from a few thousand pairs whether each answer token
     was to be expected — a fact replaced by another of its kind reads as fluently as the right one; the SFT
     model's next-token head knows (it learnt to copy facts from the prompt).  Step 2 trains the head and α with
     the rest of the model under the pairwise loss."""
 
-    def __init__(self, hidden_size: int, vocab_size: int):
+    def __init__(self, hidden_size: int, vocab_size: int, norm: str = "sum"):
         super().__init__()
+        if norm not in LIKELIHOOD_NORMS:
+            raise ValueError(f"likelihood term: norm must be one of {LIKELIHOOD_NORMS}, got {norm!r}")
         self.lm_head = Fp32Linear(hidden_size, vocab_size, bias=False)
         self.scale = nn.Parameter(torch.ones(1))  # 1-d: DeepSpeed broadcasts parameters as bytes
+        self.norm = norm  # "sum": α·Σ log p; "mean": α·(Σ log p) / (answer tokens so far), no length bias
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 response_start: torch.Tensor) -> torch.Tensor:
@@ -58,14 +62,24 @@ class LikelihoodTerm(nn.Module):
         column = torch.arange(first + 1, input_ids.shape[1], device=input_ids.device)[None]
         answer = (column >= response_start[:, None]) & attention_mask[:, first + 1:].bool()
         cumulative = torch.nn.functional.pad((logp * answer).cumsum(1), (first + 1, 0))
+        if self.norm == "mean":  # the mean over the answer's tokens so far: a longer answer is not lower by itself
+            count = torch.nn.functional.pad(answer.cumsum(1), (first + 1, 0))
+            cumulative = cumulative / count.clamp(min=1)
         return self.scale.float() * cumulative
 
 
-def attach_likelihood_term(model: nn.Module) -> None:
+LIKELIHOOD_NORMS = ("sum", "mean")
+
+
+def attach_likelihood_term(model: nn.Module, norm: str | None = None) -> None:
     """Give a value model an (uninitialised) :class:`LikelihoodTerm` and mark its config, so that an export
-    writes the term and :func:`load_reward_model` reads it back."""
-    model.likelihood = LikelihoodTerm(model.score.in_features, full_shape(model.get_input_embeddings().weight)[0])
+    writes the term and :func:`load_reward_model` reads it back.  ``norm``: the term's ("sum" or "mean"); None:
+    what the config records ("sum" for a model that records none)."""
+    norm = norm or getattr(model.config, "likelihood_norm", None) or "sum"
+    model.likelihood = LikelihoodTerm(model.score.in_features, full_shape(model.get_input_embeddings().weight)[0],
+                                      norm)
     model.config.likelihood_term = True
+    model.config.likelihood_norm = norm
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:

@@ -247,10 +247,11 @@ def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: 
 
 
 def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
-                      likelihood_term: bool = False, ds_config: dict | None = None):
+                      likelihood_term: bool = False, ds_config: dict | None = None, likelihood_norm: str = "sum"):
     """A reward model: :func:`load_value_model`, plus the folder's :class:`LikelihoodTerm` when it has one.
 
-    ``likelihood_term`` adds a fresh term to a model that has none (step 2 from an SFT model): its next-token
+    ``likelihood_term`` adds a fresh term (summing, or with ``likelihood_norm="mean"`` averaging, the answer's
+    log-probabilities) to a model that has none (step 2 from an SFT model): its next-token
     head starts as the folder's LM head (or the input embeddings, when the model ties them) and α as 1, so
     the untrained reward model already ranks answers by how likely the SFT model finds them.  Under ZeRO-3
     (``ds_config``) the term is built partitioned too and its weights are written in from rank 0."""
@@ -263,7 +264,7 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
         return model
     zero3 = hasattr(model.score.weight, "ds_id")
     with deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext():
-        attach_likelihood_term(model)
+        attach_likelihood_term(model, None if has_term else likelihood_norm)  # a folder's term keeps its own
     if not zero3:
         model.likelihood.to(model.score.weight.dtype)  # (zero.Init builds it in the config's dtype)
     if has_term:
