@@ -536,6 +536,10 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert (rm.likelihood_term, rm.learning_rate) == (True, 1e-4)
     _, plain = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_TERM="0")
     assert (plain.likelihood_term, plain.learning_rate) == (False, 5e-4)
+    # the term sums log p by default; LIKELIHOOD_NORM=mean averages it
+    assert rm.likelihood_norm == "sum"
+    _, mean = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_NORM="mean")
+    assert (mean.likelihood_term, mean.likelihood_norm) == (True, "mean")
     # step 3: the step-1/2 outputs, short prompts and answers, 16 prompts per PPO step
     assert (ppo.actor_model_name_or_path, ppo.critic_model_name_or_path) == \
         (f"./output/{root}/step1", f"./output/{root}/step2")

@@ -44,6 +44,7 @@ LR_SCHEDULE=cosine         # --lr_scheduler_type of every step (Table 5: cosine)
 PRINT_INTERVAL=50          # step 3: PPO steps between printed sample answers
 PPO_TASK_ARGS=()           # step 3: the task's own flags (code: see code_reward)
 LIKELIHOOD_TERM=0          # step 2: 1 = --likelihood_term (the score adds α·Σ log p(answer))
+LIKELIHOOD_NORM=sum        # step 2 with the term: sum (α·Σ log p) or mean (α·mean log p, no length bias)
 ADV_ESTIMATOR=""           # step 3: --advantage_estimator; "" = main.py's gae (MA-PPO with a critic)
 WHITEN_ADVANTAGES=0        # step 3: 1 = --whiten_advantages
 CLIP_REWARD=""             # step 3: --clip_reward_value; "" = main.py's (DeepSpeed-Chat's 5)
@@ -295,7 +296,9 @@ run_step() {
         1|2) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
              dir=${STEP_DIRS[$1]}
              supervised_flags
-             if [[ "$1" == 2 ]] && (( LIKELIHOOD_TERM )); then FLAGS+=(--likelihood_term); fi ;;
+             if [[ "$1" == 2 ]] && (( LIKELIHOOD_TERM )); then
+                 FLAGS+=(--likelihood_term --likelihood_norm "$LIKELIHOOD_NORM")
+             fi ;;
         dpo) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
              dpo_flags ;;
         3)   GEN_BATCHES=${GENERATION_BATCHES:-1}

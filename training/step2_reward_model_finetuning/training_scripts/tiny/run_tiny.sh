@@ -16,10 +16,13 @@
 #   PER_DEVICE_BATCH  pairs per rank per micro-batch (default 8); accumulation keeps the global batch 16
 #   LIKELIHOOD_TERM   1 (default) adds α·Σ log p(answer) under the SFT model's next-token head to the score
 #                     (--likelihood_term); 0 = the score head alone, DeepSpeed-Chat's reward model
+#   LIKELIHOOD_NORM   sum (default) or mean: the term as α times the mean log p of the answer's tokens
+#                     (--likelihood_norm; the sum scores a shorter answer higher by its length alone)
 #   and those of every script (HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
 #   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
 likelihood_term=${LIKELIHOOD_TERM:-1}  # read before the common file resets the knobs
+likelihood_norm=${LIKELIHOOD_NORM:-sum}
 # shellcheck source=SCRIPTDIR/../../../launch_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
@@ -37,6 +40,7 @@ MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded mode
 # 0.609 at seeds 1234 / 1 / 2 against 0.561 / 0.606 / 0.596 — even, at 100 s more; README "Measured").
 GLOBAL_BATCH=16
 LIKELIHOOD_TERM=$likelihood_term
+LIKELIHOOD_NORM=$likelihood_norm
 if (( LIKELIHOOD_TERM )); then LR=1e-4 EPOCHS=1; else LR=5e-4 EPOCHS=2; fi
 MAX_EVAL_SAMPLES=256
 
