@@ -312,6 +312,10 @@ class RLHFArgs(BaseArgs):
                                                      "(0: --per_device_generation_batch_size). Its answers are "
                                                      "one seeded stream, so runs compared on the same prompts "
                                                      "must use the same value.")
+    eval_prompts: str = opt("all", "Which held-out prompts the evaluation answers: all, or one of two interleaved "
+                            "halves (validation: the 1st, 3rd, ...; test: the 2nd, 4th, ...), so that settings "
+                            "chosen on the validation half are reported on prompts they were not chosen on.",
+                            choices=("all", "validation", "test"))
     per_device_training_batch_size: int = opt(8, "Experiences per rank per PPO micro-batch.")
     generation_batches: int = opt(1, "Generation batches collected before each PPO update.")
     ppo_epochs: int = opt(1, "PPO passes over each collected experience batch.")

@@ -15,11 +15,13 @@ from marlhf.data.pipeline import (
     PromptCollator,
     SFTCollator,
     build_phase_data,
+    held_out_part,
     holdout_indices,
     split_indices,
     tokenize_phase,
 )
 from marlhf.data.records import BadRowPolicy, DataError, Record
+from marlhf.errors import ConfigError
 from marlhf.loop import LoopSection
 
 # ---------------------------------------------------------------------------------------------- config
@@ -207,6 +209,16 @@ def test_plan_steps_counts_like_the_loaders():
     assert plan_steps(100, 8, 2, epochs=3, max_steps=10) == (6, 10)
     with pytest.raises(ValueError, match="too few"):
         plan_steps(3, 8, 2, epochs=1, max_steps=0)
+
+
+def test_held_out_halves_interleave_disjoint_and_complete():
+    items = list(range(7))
+    assert held_out_part(items, "all") == items
+    assert held_out_part(items, "validation") == [0, 2, 4, 6] and held_out_part(items, "test") == [1, 3, 5]
+    with pytest.raises(ConfigError, match="--eval_prompts test: the held-out slice has 1 prompt"):
+        held_out_part([0], "test")
+    args, _ = parse_args(RLHFArgs, ["--eval_prompts", "test"])
+    assert args.eval_prompts == "test" and parse_args(RLHFArgs, [])[0].eval_prompts == "all"
 
 
 def test_max_eval_samples_counts_kept_examples(tmp_path):

@@ -446,6 +446,12 @@ def test_step3_with_a_python_reward_logs_and_reports_what_the_function_computed(
     calls = [json.loads(line) for line in (tmp_path / "fn" / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 5 and calls[4]["responses"] == calls[0]["responses"]
     assert evaluated["reward_score"] == pytest.approx(summary["initial_policy"]["reward_score"], abs=1e-6)
+    # --eval_prompts: the validation and test halves interleave the held-out prompts, disjoint and complete
+    for k, part in enumerate(("validation", "test")):
+        assert run_cli(load_main("eval_policy"), [*eval_argv, "--eval_prompts", part]) == 0
+        calls = [json.loads(line) for line in (tmp_path / "fn" / "calls.jsonl").read_text().splitlines()]
+        assert calls[5 + k]["meta"] == calls[0]["meta"][k::2]
+        assert json.loads((eval_out / "eval.json").read_text())["num_prompts"] == len(calls[0]["meta"][k::2])
 
 
 def test_step3_with_a_remote_reward_and_grpo(nano, tmp_path):  # noqa: F811

@@ -18,7 +18,7 @@ from pathlib import Path
 from marlhf.cli._run import reward_source, start
 from marlhf.config import PolicyEvalArgs, parse_args
 from marlhf.data.formatting import check_same_format
-from marlhf.data.pipeline import DataSection, build_phase_data
+from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part
 from marlhf.errors import run_cli
 from marlhf.eval.generate import policy_folder
 from marlhf.eval.policy import evaluate_policy
@@ -56,7 +56,8 @@ def main(argv=None):
     sources = evaluation_sources(args.reward_source, reward, reward_model, run.task)
     generation = GenerationConfig.from_args(args, stop_token_ids(tokenizer, fmt.end_of_conversation_token),
                                             tokenizer.pad_token_id)
-    result = evaluate_policy(actor, tokenizer, data.eval, EvalSection.from_args(args), generation, sources, ref=ref)
+    held_out = held_out_part(data.eval, args.eval_prompts)
+    result = evaluate_policy(actor, tokenizer, held_out, EvalSection.from_args(args), generation, sources, ref=ref)
     result["policy"] = run.model
     if dist.is_main():
         (Path(args.output_dir) / "eval.json").write_text(json.dumps(result, indent=1))

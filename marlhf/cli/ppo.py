@@ -18,7 +18,7 @@ from pathlib import Path
 from marlhf.cli._run import start, step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
-from marlhf.data.pipeline import DataSection, build_phase_data, plan_steps
+from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
 from marlhf.errors import run_cli
 from marlhf.eval.policy import evaluate_policy
 from marlhf.models.export import export_hf
@@ -55,9 +55,10 @@ def main(argv=None):
     # 4. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps, with
     #    the KL to the reference), then the final policy
     eval_section = EvalSection.from_args(args)
+    held_out = held_out_part(data.eval, args.eval_prompts)
 
     def evaluate():
-        return evaluate_policy(rlhf.actor, tokenizer, data.eval, eval_section, trainer.gen_cfg, sources,
+        return evaluate_policy(rlhf.actor, tokenizer, held_out, eval_section, trainer.gen_cfg, sources,
                                ref=rlhf.ref)
 
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too

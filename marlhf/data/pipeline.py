@@ -272,6 +272,20 @@ def build_phase_data(data: DataSection, tokenizer, phase: int) -> PhaseData:
     return PhaseData(payload["train"], payload["eval"], [r.prompt for r in records], records)
 
 
+def held_out_part(examples: list, part: str) -> list:
+    """``part`` of the held-out examples: ``all``, or the interleaved halves ``validation`` (positions 0, 2, ...)
+    and ``test`` (1, 3, ...): disjoint, together all of them, each spread over the whole held-out slice."""
+    if part == "all":
+        return list(examples)
+    if part not in ("validation", "test"):
+        raise ConfigError(f"--eval_prompts must be all, validation or test, got {part!r}")
+    chosen = list(examples[0 if part == "validation" else 1::2])
+    if not chosen:
+        raise ConfigError(f"--eval_prompts {part}: the held-out slice has {len(examples)} prompt(s), none in the "
+                          f"{part} half; hold out more (--eval_fraction, --max_eval_samples) or use all")
+    return chosen
+
+
 # --------------------------------------------------------------------------------------------------------
 # datasets and collators
 # --------------------------------------------------------------------------------------------------------
