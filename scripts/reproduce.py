@@ -12,9 +12,14 @@ held-out gold score, RM score, KL and length recorded every ``--eval_interval`` 
     python scripts/reproduce.py --report_only        # regenerate docs/results.md from the recorded runs
 
 1. steps 1–2 once (the quick start's launch scripts; or ``--sft`` / ``--rm`` to reuse models),
-2. one step-3 run per (reward, variant, seed) through the tiny step-3 launch script, skipped when its
-   ``summary.json`` exists and resumed from its checkpoints when it was interrupted,
-3. the report (``--report``, default docs/results.md) from the recorded runs only.
+2. with ``--tune_grid``, each (reward, variant) is run at every point of the grid with the ``--tune_seeds``,
+   evaluated on the validation half of the held-out prompts, and the point with the best final validation
+   gold score is chosen for it — every method gets the same grid and the same budget, and is tuned by its own
+   result ("differences could be due to tuning one method more than another");
+3. one step-3 run per (reward, variant, seed) through the tiny step-3 launch script, at the chosen point and
+   evaluated on the test half of the held-out prompts when tuned, skipped when its ``summary.json`` exists and
+   resumed from its checkpoints when it was interrupted,
+4. the report (``--report``, default docs/results.md) from the recorded runs only.
 The data split is fixed (``--data_seed``) across all runs; ``--seed`` varies the rest.
 """
 
@@ -41,10 +46,13 @@ from lab.results_report import write_report  # noqa: E402
 
 from marlhf.config import RLHFArgs  # noqa: E402
 
-FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3], steps=40, eval_interval=5,
-            eval_samples=64, dpo_steps=100)
+# issue 30's power: >= 5 seeds, >= 100 steps, 256 held-out test prompts (512 held out, halved when tuning), and
+# every method tuned on the same actor learning rate x KL coefficient grid (3 x 2)
+FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3, 4, 5], steps=100,
+            eval_interval=10, eval_samples=512, dpo_steps=100,
+            tune_grid="actor_learning_rate=3e-5,1e-4,3e-4 kl_ctl=0.05,0.5")
 QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8,
-             dpo_steps=3)
+             dpo_steps=3, tune_grid="")
 SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
                  REPO.parent / "shared") / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
 MAINS = {1: "training/step1_supervised_finetuning/main.py", 2: "training/step2_reward_model_finetuning/main.py",
@@ -60,14 +68,20 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="A few minutes: " + json.dumps(QUICK))
     p.add_argument("--variants", nargs="+", help=f"Default: all of {list(sweep.VARIANTS)}.")
     p.add_argument("--rewards", nargs="+", choices=list(sweep.REWARDS), help="Default: gold rm.")
-    p.add_argument("--seeds", type=int, nargs="+", help="Default: 1 2 3.")
-    p.add_argument("--steps", type=int, help="Step-3 PPO steps per run (default 40).")
-    p.add_argument("--eval_interval", type=int, help="Held-out evaluation every k steps (default 5).")
-    p.add_argument("--eval_samples", type=int, help="Held-out prompts per evaluation (default 64).")
+    p.add_argument("--seeds", type=int, nargs="+", help="Default: 1 2 3 4 5.")
+    p.add_argument("--steps", type=int, help="Step-3 PPO steps per run (default 100).")
+    p.add_argument("--eval_interval", type=int, help="Held-out evaluation every k steps (default 10).")
+    p.add_argument("--eval_samples", type=int, help="Held-out prompts (default 512: 256 validation + 256 test).")
     p.add_argument("--dpo_steps", type=int, help="DPO's own budget of optimizer steps per seed on the reward "
                    "model's preference pairs (default 100; 0: no DPO).")
     p.add_argument("--step3_args", default="", help="Extra flags for every step-3 run (e.g. '--kl_ctl 0.05'), after "
                    "the launch script's and before the variant's.")
+    p.add_argument("--tune_grid", help="Step-3 flags to tune per method, every combination (default: "
+                   f"{FULL['tune_grid']!r}; '' = no tuning, the launch script's settings; --quick: none). Tuning "
+                   "runs use --tune_seeds and the validation half of the held-out prompts; the reported runs use "
+                   "the chosen point, --seeds and the test half.")
+    p.add_argument("--tune_seeds", type=int, nargs="+", default=[101],
+                   help="Seeds of the tuning runs (fresh: keep them apart from --seeds).")
     p.add_argument("--sft", help="SFT model to start from (default: run step 1 under --out/base).")
     p.add_argument("--rm", help="Reward model (default: run step 2 under --out/base).")
     p.add_argument("--report", default=str(REPO / "docs" / "results.md"), help="Markdown report to write.")
@@ -98,6 +112,15 @@ def parse_args(argv=None):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    try:
+        args.grid = sweep.parse_grid(args.tune_grid)
+    except ValueError as err:
+        p.error(str(err))
+    unknown = sorted({k for point in args.grid for k in point} - {f.name for f in fields(RLHFArgs)})
+    if unknown:
+        p.error(f"--tune_grid: step 3 has no flag {', '.join('--' + k for k in unknown)}")
+    if args.grid != [{}] and set(args.tune_seeds) & set(args.seeds):
+        p.error(f"--tune_seeds {args.tune_seeds} and --seeds {args.seeds} overlap: the reported runs need fresh seeds")
     return args
 
 
@@ -144,10 +167,11 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
     return args.sft or str(base / "step1"), args.rm or str(base / "step2"), commands
 
 
-def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str) -> tuple[list[str], dict]:
+def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str, own: tuple[str, ...] = ()) -> tuple[list[str], dict]:
+    """The launch script and environment of one run; ``own``: its grid point's flags and held-out half."""
     variant = sweep.VARIANTS[spec.variant]
     reward_flags, _ = sweep.REWARDS[spec.reward]
-    extra = [*shlex.split(args.step3_args), *variant.flags, *reward_flags, "--seed", str(spec.seed),
+    extra = [*shlex.split(args.step3_args), *variant.flags, *reward_flags, *own, "--seed", str(spec.seed),
              "--data_seed", "1234",
              "--max_steps", str(args.steps), "--eval_interval", str(args.eval_interval),
              "--max_eval_samples", str(args.eval_samples), "--save_steps", str(args.eval_interval), "--resume"]
@@ -271,6 +295,56 @@ def dpo_track(args, root: Path, sft: str, rm: str, specs: list[sweep.RunSpec], c
     return {"steps": args.dpo_steps, "result": sweep.combine("dpo", runs), "implicit_accuracy": accuracy}
 
 
+def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, commands: list[str], keep,
+              what: str) -> None:
+    """Run the unfinished ``specs`` (``--parallel`` at a time), each with its ``own[spec.out]`` flags, adding one
+    command line per (reward, variant, flags) to ``commands`` with the seed as a shell variable."""
+    todo = sweep.missing(specs)
+    print(f"{what}: {len(specs)} runs, {len(specs) - len(todo)} done, {len(todo)} to run", flush=True)
+    seen = set()
+    for spec in specs:
+        flags = own.get(spec.out, ())
+        if (spec.reward, spec.variant, flags) not in seen:
+            seen.add((spec.reward, spec.variant, flags))
+            cmd, env = step3_command(spec, args, sft, rm, flags)
+            seeds = sorted({s.seed for s in specs if (s.reward, s.variant) == (spec.reward, spec.variant)
+                            and own.get(s.out, ()) == flags})
+            line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
+            line = line.replace(f"--seed {spec.seed} ", "--seed $SEED ").replace(f"/seed{spec.seed}", "/seed$SEED")
+            commands.append(f"for SEED in {' '.join(map(str, seeds))}; do {line}; done")
+    pending = [] if args.report_only else todo
+    for i in range(0, len(pending), args.parallel):
+        chunk = pending[i:i + args.parallel]
+        t0 = time.time()
+        run_together([(*step3_command(s, args, sft, rm, own.get(s.out, ())), s.out / "training.log") for s in chunk],
+                     args.dry_run, args.lock)
+        for s in chunk:
+            print(f"[{specs.index(s) + 1}/{len(specs)}] {os.path.relpath(s.out, Path(args.out).resolve())}: "
+                  f"{time.time() - t0:.0f} s" + (f" ({len(chunk)} at once)" if len(chunk) > 1 else ""), flush=True)
+        keep()
+
+
+def choose_points(tune: dict[str, tuple[dict, list[sweep.RunSpec]]], rewards: list[str],
+                  variants: list[str]) -> dict:
+    """reward -> variant -> ``{"scores": {label: [validation gold per tuning seed]}, "chosen": {"label", "point"}
+    or None}``: the grid point with the best mean final validation gold, once every point's runs finished."""
+    out: dict = {}
+    for reward in rewards:
+        for variant in variants:
+            scores, complete = {}, True
+            for label, (_, specs) in tune.items():
+                runs = [s for s in specs if (s.reward, s.variant) == (reward, variant)]
+                if not all(s.done for s in runs):
+                    complete = False
+                    continue
+                scores[label] = [json.loads((s.out / "summary.json").read_text())["final_policy"]["gold_score"]
+                                 for s in runs]
+            best = sweep.choose(scores) if complete and scores else None
+            out.setdefault(reward, {})[variant] = {
+                "scores": scores, "chosen": None if best is None else {"label": best, "point": tune[best][0]}}
+    return out
+
+
 def last_metric(folder: Path, key: str):
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     values = [r[key] for r in rows if key in r]
@@ -289,7 +363,7 @@ def main(argv=None) -> int:
             and sweep_records.restore_base(Path(args.records), root):
         print(f"restored the recorded SFT and reward model from {args.records}/base", flush=True)
     sft, rm, commands = base_models(args, root)
-    specs = sweep.plan(root, args.rewards, variants, args.seeds)
+    specs = all_specs = sweep.plan(root, args.rewards, variants, args.seeds)
     run_dirs = [s.out for s in specs]
 
     def keep() -> None:  # after every piece of work: the records always hold everything finished
@@ -305,25 +379,36 @@ def main(argv=None) -> int:
             sweep_records.keep_base(root, Path(args.records))
         restored = sweep_records.restore(Path(args.records), root, run_dirs)
         print(f"restored {restored} files of finished runs from {args.records}", flush=True)
-    todo = sweep.missing(specs)
-    print(f"{len(specs)} runs, {len(specs) - len(todo)} done, {len(todo)} to run", flush=True)
-    for i, spec in enumerate(specs):
-        cmd, env = step3_command(spec, args, sft, rm)
-        if i == 0 or (spec.reward, spec.variant) != (specs[i - 1].reward, specs[i - 1].variant):
-            # one line per variant for the report, the seed as a shell variable
-            line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
-            line = line.replace(f"--seed {spec.seed} ", "--seed $SEED ").replace(f"/seed{spec.seed}", "/seed$SEED")
-            commands.append(f"for SEED in {' '.join(map(str, args.seeds))}; do {line}; done")
-    pending = [] if args.report_only else [s for s in specs if not s.done]
-    for i in range(0, len(pending), args.parallel):
-        chunk = pending[i:i + args.parallel]
-        t0 = time.time()
-        run_together([(*step3_command(s, args, sft, rm), s.out / "training.log") for s in chunk], args.dry_run,
-                     args.lock)
-        for s in chunk:
-            print(f"[{specs.index(s) + 1}/{len(specs)}] {s.reward}/{s.variant}/seed{s.seed}: "
-                  f"{time.time() - t0:.0f} s" + (f" ({len(chunk)} at once)" if len(chunk) > 1 else ""), flush=True)
-        keep()
+    restore = (lambda dirs: sweep_records.restore(Path(args.records), root, dirs)) \
+        if args.records and not args.dry_run and not args.report_only else None
+    tuning = None
+    if args.grid != [{}]:  # 2. every method at every grid point, on the validation prompts
+        tune = {sweep.point_label(pt): (pt, sweep.plan(root / "tune" / sweep.point_label(pt), args.rewards, variants,
+                                                     args.tune_seeds)) for pt in args.grid}
+        tune_specs = [s for _, sp in tune.values() for s in sp]
+        run_dirs += [s.out for s in tune_specs]
+        if restore is not None:
+            print(f"restored {restore([s.out for s in tune_specs])} files of finished tuning runs from {args.records}",
+                  flush=True)
+        own = {s.out: (*sweep.point_flags(pt), "--eval_prompts", "validation") for pt, sp in tune.values() for s in sp}
+        run_specs(tune_specs, args, sft, rm, own, commands, keep, "tuning")
+        tuning = choose_points(tune, args.rewards, variants)
+        if not args.dry_run:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "tuning.json").write_text(json.dumps(tuning, indent=1))
+    chosen = {} if tuning is None else {(r, v): c["chosen"] for r, by in tuning.items() for v, c in by.items()
+                                        if c["chosen"]}
+    if tuning is not None:  # 3. the reported runs: the chosen point, fresh seeds, the test prompts
+        blocked = [s for s in specs if (s.reward, s.variant) not in chosen]
+        if blocked and not args.dry_run:
+            print(f"{len(blocked)} runs wait for their tuning to finish (rerun to continue)", flush=True)
+        specs = [s for s in specs if (s.reward, s.variant) in chosen or args.dry_run]
+        point = {s.out: chosen[(s.reward, s.variant)]["point"] if (s.reward, s.variant) in chosen else {}
+                 for s in specs}
+        own = {s.out: (*sweep.point_flags(point[s.out]), "--eval_prompts", "test") for s in specs}
+    else:
+        own = {}
+    run_specs(specs, args, sft, rm, own, commands, keep, "runs")
     dpo = dpo_track(args, root, sft, rm, specs, commands)
     keep()
     if dpo is not None and "skipped" in dpo:
@@ -338,11 +423,11 @@ def main(argv=None) -> int:
         return 0
     results = sweep.collect(specs)
     settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards",
-                                              "dpo_steps")}
+                                              "dpo_steps", "tune_grid", "tune_seeds")}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     path = write_report(Path(args.report), results, settings=settings, commands=commands,
-                        missing=[f"{s.reward}/{s.variant}/seed{s.seed}" for s in sweep.missing(specs)],
-                        unavailable=unavailable, invocation=invocation, real=real, dpo=dpo)
+                        missing=[f"{s.reward}/{s.variant}/seed{s.seed}" for s in sweep.missing(all_specs)],
+                        unavailable=unavailable, invocation=invocation, real=real, dpo=dpo, tuning=tuning)
     print(f"report: {path}")
     return 0
 

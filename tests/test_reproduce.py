@@ -4,6 +4,7 @@ run logs it was built from."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -20,13 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student-t 97.5% quantile, 2 degrees of freedom (tables)
 
 
-def fake_run(out: Path, steps: int, curve: dict[int, float], rm: float, seed_kl: float) -> None:
-    """A finished step-3 run folder as step 3 writes it: gold_score curve at the given steps."""
+def fake_run(out: Path, steps: int, curve: dict[int, float], rm: float, seed_kl: float,
+             step_seconds: float | None = None) -> None:
+    """A finished step-3 run folder as step 3 writes it: gold_score curve at the given steps (and each step's
+    wall time, ``step_seconds`` x the step's number, when given)."""
     out.mkdir(parents=True)
     final = {"gold_score": curve[steps], "rm_score": rm, "response_len": 40.0, "eos_rate": 1.0}
     (out / "summary.json").write_text(json.dumps({"steps": steps, "initial_policy": {
         "gold_score": curve[0], "rm_score": 0.0, "response_len": 45.0, "eos_rate": 1.0}, "final_policy": final}))
-    rows = [{"step": s, "train/kl": seed_kl * s, "train/reward": 0.1} for s in range(1, steps + 1)]
+    rows = [{"step": s, "train/kl": seed_kl * s, "train/reward": 0.1,
+             **({} if step_seconds is None else {"train/step_seconds": step_seconds * s})}
+            for s in range(1, steps + 1)]
     rows += [{"step": s, "eval/gold_score": v, "eval/rm_score": 0.5} for s, v in curve.items() if 0 < s < steps]
     (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
@@ -71,6 +76,69 @@ def test_parity_never_reached_is_none(runs):
     assert sweep.steps_to_parity(res["ppo"], res["n5"], "gold_score") is None  # PPO never reaches n5's 0.7
 
 
+def exact_parity_distribution(variant: dict, base: dict, steps: int) -> dict[float, float]:
+    """Steps-to-parity over every equally likely bootstrap resample of the seeds (each seed list drawn with
+    replacement, all n^n orderings of the variant's times all m^m of the baseline's): value -> probability, by a
+    plain loop over the curves as written (inf: never reached)."""
+    seeds, base_seeds = sorted(variant), sorted(base)
+    dist: dict[float, float] = {}
+    for rows in itertools.product(seeds, repeat=len(seeds)):
+        for base_rows in itertools.product(base_seeds, repeat=len(base_seeds)):
+            target = sum(base[s][steps] for s in base_rows) / len(base_rows)
+            value = math.inf
+            for step in sorted(variant[seeds[0]]):
+                if sum(variant[s][step] for s in rows) / len(rows) >= target:
+                    value = step / steps
+                    break
+            dist[value] = dist.get(value, 0.0) + 1.0 / (len(seeds) ** len(seeds) * len(base_seeds) ** len(base_seeds))
+    return dist
+
+
+def test_parity_bootstrap_against_exact_enumeration(runs):
+    """The bootstrap's draws follow the exact resampling distribution (every resample enumerated): each value's
+    share within 4.5 binomial standard errors, and the 95% interval's ends are that distribution's quantiles."""
+    root, ppo, n5 = runs
+    res = sweep.collect(sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2, 3]))["gold"]
+    for variant, base, a, b in ((res["n5"], res["ppo"], n5, ppo), (res["ppo"], res["n5"], ppo, n5)):
+        exact = exact_parity_distribution(a, b, 8)
+        draws = 20000
+        sample = sweep.parity_draws(variant, base, "gold_score", draws=draws, seed=3)
+        assert set(sample) <= set(exact)
+        for value, prob in exact.items():
+            share = sample.count(value) / draws
+            assert abs(share - prob) <= 4.5 * math.sqrt(prob * (1 - prob) / draws) + 1e-12, (value, share, prob)
+        lo, hi = sweep.parity_interval(variant, base, "gold_score", draws=draws, seed=3)
+        for end, q in ((lo, 0.025), (hi, 0.975)):  # P(X < end) <= q <= P(X <= end), up to the draws' noise
+            end = math.inf if end is None else end
+            assert sum(p for v, p in exact.items() if v < end) <= q + 0.01
+            assert sum(p for v, p in exact.items() if v <= end) >= q - 0.01
+    # n5 reaches PPO's mean at step 4 unless the resample is far off; PPO reaching n5's 0.7 is rare
+    assert sweep.parity_interval(res["n5"], res["ppo"], "gold_score")[0] == pytest.approx(0.5)
+    assert sweep.parity_interval(res["ppo"], res["n5"], "gold_score")[1] is None
+
+
+def test_time_to_parity_counts_each_variants_own_step_seconds(tmp_path):
+    """n5 reaches PPO's final mean at step 4 (half of PPO's steps), but its steps take 2.5 times
+    PPO's: in time it needs 25 s against PPO's 36 s for the whole run.  Runs without step times: nan."""
+    ppo = {1: {0: 0.1, 4: 0.2, 8: 0.50}, 2: {0: 0.1, 4: 0.3, 8: 0.40}}
+    n5 = {1: {0: 0.1, 4: 0.55, 8: 0.7}, 2: {0: 0.1, 4: 0.45, 8: 0.6}}
+    for variant, curves, secs in (("ppo", ppo, 1.0), ("n5", n5, 2.5)):
+        for seed, curve in curves.items():
+            fake_run(tmp_path / "gold" / variant / f"seed{seed}", 8, curve, rm=0.0, seed_kl=0.01,
+                     step_seconds=secs)
+    res = sweep.collect(sweep.plan(tmp_path, ["gold"], ["ppo", "n5"], [1, 2]))["gold"]
+    # fake_run's step s records step_seconds x s: n5's steps 1..4 take 2.5 x (1+2+3+4) = 25 s; PPO's 1..8 36 s
+    assert res["n5"].elapsed[4] == pytest.approx([25.0, 25.0]) and res["ppo"].elapsed[8] == pytest.approx([36.0] * 2)
+    assert sweep.steps_to_parity(res["n5"], res["ppo"], "gold_score") == pytest.approx(0.5)
+    assert sweep.time_to_parity(res["n5"], res["ppo"], "gold_score") == pytest.approx(25 / 36)
+    assert sweep.time_to_parity(res["ppo"], res["n5"], "gold_score") is None
+    table = {r["variant"]: r for r in summary_table(res, "gold")}
+    assert table["n5"]["time_parity_gold_score"] == pytest.approx(25 / 36)
+    (tmp_path / "gold" / "n5" / "seed2" / "metrics.jsonl").write_text(json.dumps({"step": 4, "eval/gold_score": 0.45}))
+    res = sweep.collect(sweep.plan(tmp_path, ["gold"], ["ppo", "n5"], [1, 2]))["gold"]
+    assert res["n5"].elapsed is None and math.isnan(sweep.time_to_parity(res["n5"], res["ppo"], "gold_score"))
+
+
 def test_unfinished_runs_are_missing_not_averaged(runs):
     root, _, _ = runs
     (root / "gold" / "n5" / "seed3" / "summary.json").unlink()
@@ -94,7 +162,9 @@ def test_report_table_equals_the_runs(runs, tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| MA-PPO n = 5 |"))
     gold_cell = row.split("|")[4].strip()
     assert gold_cell == f"{table['n5']['gold_score']['mean']:.3f} ± {table['n5']['gold_score']['ci95']:.3f}"
-    assert row.split("|")[-2].strip() == "0.50"  # parity
+    parity, time_parity = row.split("|")[-3].strip(), row.split("|")[-2].strip()
+    lo, hi = sweep.parity_interval(results["gold"]["n5"], results["gold"]["ppo"], "gold_score")
+    assert parity == f"0.50 [{lo:.2f}, {'never' if hi is None else f'{hi:.2f}'}]" and time_parity == "–"
     assert "reached PPO's final gold_score at 0.50 of PPO's steps — faster as claimed" in text
     saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text())
     assert saved["tables"]["gold"][1]["gold_score"]["per_seed"] == [n5[s][8] for s in (1, 2, 3)]
@@ -114,6 +184,61 @@ def test_parity_is_undefined_when_ppo_did_not_improve(tmp_path):
                                                              "eval_samples": 8, "rewards": ["gold"]},
                         commands=[], missing=[], unavailable={}, invocation="test").read_text()
     assert "PPO did not improve the held-out gold_score" in text and "faster as claimed" not in text
+
+
+def test_tune_grid_is_every_combination_and_choose_takes_the_best_mean():
+    grid = sweep.parse_grid("actor_learning_rate=1e-5,3e-5 --kl_ctl=0.02,0.1")
+    assert grid == [{"actor_learning_rate": "1e-5", "kl_ctl": "0.02"}, {"actor_learning_rate": "1e-5", "kl_ctl": "0.1"},
+                    {"actor_learning_rate": "3e-5", "kl_ctl": "0.02"}, {"actor_learning_rate": "3e-5", "kl_ctl": "0.1"}]
+    assert sweep.parse_grid("") == [{}] and sweep.point_label(grid[1]) == "actor_learning_rate=1e-5,kl_ctl=0.1"
+    assert sweep.point_flags(grid[1]) == ["--actor_learning_rate", "1e-5", "--kl_ctl", "0.1"]
+    with pytest.raises(ValueError, match="FLAG=V1,V2"):
+        sweep.parse_grid("actor_learning_rate")
+    assert sweep.choose({"a": [0.5, 0.7], "b": [0.65, 0.6], "c": [0.1]}) == "b"  # means 0.60, 0.625, 0.1
+    assert sweep.choose({"a": [0.5], "b": [0.5]}) == "a"  # a tie: the first written
+
+
+def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
+    """Finished tuning runs (validation gold: PPO best at lr 1e-5, MA-PPO at 3e-5): a dry run plans the reported
+    runs at each method's own choice, fresh seeds, the test half of the held-out prompts; the report shows the
+    grid with the choices.  Overlapping seeds and unknown flags are refused."""
+    out = tmp_path / "repro"
+    best = {"ppo": "1e-5", "n5": "3e-5"}
+    for lr in ("1e-5", "3e-5"):
+        for variant in ("ppo", "n5"):
+            gold = 0.6 if best[variant] == lr else 0.5
+            fake_run(out / "tune" / f"actor_learning_rate={lr}" / "gold" / variant / "seed101", 4,
+                     {0: 0.4, 4: gold}, rm=0.0, seed_kl=0.01)
+    cmd = [sys.executable, "scripts/reproduce.py", "--out", str(out), "--sft", "S", "--rm", "R", "--variants", "ppo",
+           "n5", "--rewards", "gold", "--seeds", "1", "2", "--dpo_steps", "0", "--dry_run",
+           "--tune_grid", "actor_learning_rate=1e-5,3e-5"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tuning: 4 runs, 4 done, 0 to run" in proc.stdout and "runs: 4 runs, 0 done, 4 to run" in proc.stdout
+    planned = [line for line in proc.stdout.splitlines() if line.startswith("$ ") and "/gold/" in line]
+    assert len(planned) == 4
+    for line in planned:
+        variant = "ppo" if "/gold/ppo/" in line else "n5"
+        assert f"--actor_learning_rate {best[variant]} --eval_prompts test --seed " in line, line
+        assert "/tune/" not in line
+    from reproduce import choose_points
+
+    tune = {sweep.point_label(pt): (pt, sweep.plan(out / "tune" / sweep.point_label(pt), ["gold"], ["ppo", "n5"],
+                                                  [101])) for pt in sweep.parse_grid("actor_learning_rate=1e-5,3e-5")}
+    tuning = choose_points(tune, ["gold"], ["ppo", "n5"])
+    assert tuning["gold"]["n5"]["chosen"]["point"] == {"actor_learning_rate": "3e-5"}
+    assert tuning["gold"]["ppo"]["scores"] == {"actor_learning_rate=1e-5": [0.6], "actor_learning_rate=3e-5": [0.5]}
+    text = write_report(tmp_path / "r.md", {}, settings={"seeds": [1, 2], "steps": 4, "eval_interval": 4,
+                                                         "eval_samples": 8, "rewards": ["gold"],
+                                                         "tune_grid": "actor_learning_rate=1e-5,3e-5",
+                                                         "tune_seeds": [101]},
+                        commands=[], missing=[], unavailable={}, invocation="test", tuning=tuning).read_text()
+    assert "| PPO (n = 1) | **0.600** | 0.500 |" in text and "| MA-PPO n = 5 | 0.500 | **0.600** |" in text
+    for bad, message in ((["--tune_seeds", "1"], "overlap"),
+                         (["--tune_grid", "no_such_flag=1,2"], "no flag --no_such")):
+        proc = subprocess.run([*cmd[:-2], *bad, *([] if "--tune_grid" in bad else cmd[-2:])], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_unknown_variant_is_refused(tmp_path):
@@ -208,6 +333,10 @@ def test_quick_sweep_end_to_end(tmp_path):
             finals.append(summary["final_policy"]["gold_score"])
             metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             evals.append([m["step"] for m in metrics if "eval/gold_score" in m])
+            # each step's wall time (time parity) holds its generation and its update
+            timed = [m for m in metrics if "train/step_seconds" in m]
+            assert [m["step"] for m in timed] == [1, 2, 3]
+            assert all(m["train/step_seconds"] >= m["train/gen_seconds"] + m["train/train_seconds"] for m in timed)
         assert evals == [[1, 2], [1, 2]]  # --eval_interval 1, the final evaluation is summary.json's
         mean = sum(finals) / 2
         label = sweep.VARIANTS[variant].label

@@ -106,6 +106,7 @@ class MAPPOTrainer(loop.Recipe):
 
     def step(self, batches: list[dict], step: int) -> dict:
         dev = dist.device()
+        t_step = time.time()
         exps, gen_stats = [], []
         for k, batch in enumerate(batches):  # 1-3. experience
             exp, s = self.make_experience(batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev), step, k,
@@ -119,6 +120,7 @@ class MAPPOTrainer(loop.Recipe):
             update_ema(self.rlhf.actor, self.rlhf.ema, self.sections.ema_decay)
         stats = {k: sum(s[k] for s in gen_stats) / len(gen_stats) for k in gen_stats[0]}
         stats.update(train_stats, train_seconds=time.time() - t0, actor_lr=self.rlhf.actor.get_lr()[0])
+        stats["step_seconds"] = time.time() - t_step  # the whole step: experience and update (wall-clock parity)
         every = self.sections.print_answers_interval
         if every and (step + 1) % every == 0:
             self._print_sample(exps[0])

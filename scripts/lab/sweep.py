@@ -10,13 +10,16 @@ run is *done* when ``summary.json`` exists, and an unfinished one resumes from i
 This module only reads those files and computes: curves with their seed spread, final scores with 95%
 confidence intervals over seeds, and steps-to-parity (the first evaluated step at which a variant's
 seed-mean reaches vanilla PPO's final seed-mean, as a fraction of PPO's steps — the paper's "1.7–2×
-faster", §4.2).  ``scripts/reproduce.py`` runs the sweep; ``scripts/lab/results_report.py`` writes the report.
+faster", §4.2) with a bootstrap interval over seeds, and the same in wall-clock time (the seconds the
+variant's steps took to get there, as a fraction of PPO's whole run).  ``scripts/reproduce.py`` runs the
+sweep; ``scripts/lab/results_report.py`` writes the report.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,14 +115,18 @@ def plan(root: Path, rewards: list[str], variants: list[str], seeds: list[int]) 
 
 # --------------------------------------------------------------------------------------------- reading runs
 def read_run(out: Path) -> dict:
-    """One finished run as ``{"steps": S, "curve": {step: {key: value}}, "final": {...}, "train_kl": {step: v}}``.
+    """One finished run as ``{"steps": S, "curve": {step: {key: value}}, "final": {...}, "train_kl": {step: v},
+    "elapsed": {step: seconds}}``.
 
     The curve holds step 0 (``initial_policy.json``), every ``eval/*`` row of ``metrics.jsonl`` and the
-    final evaluation at step S (``summary.json``, which wins over an ``eval/*`` row at the same step)."""
+    final evaluation at step S (``summary.json``, which wins over an ``eval/*`` row at the same step).
+    ``elapsed``: the seconds steps 1..s took together (their ``train/step_seconds``, evaluation excluded),
+    with ``elapsed[0] = 0``; empty when any step did not record its time (runs of older builds)."""
     summary = json.loads((out / "summary.json").read_text())
     steps = int(summary["steps"])
     curve: dict[int, dict] = {0: dict(summary["initial_policy"])}
     train_kl: dict[int, float] = {}
+    step_seconds: dict[int, float] = {}
     metrics = out / "metrics.jsonl"
     for line in metrics.read_text().splitlines() if metrics.exists() else []:
         if not line.strip():
@@ -130,8 +137,17 @@ def read_run(out: Path) -> dict:
             curve.setdefault(int(row["step"]), {}).update(ev)
         if "train/kl" in row:
             train_kl[int(row["step"])] = row["train/kl"]
+        if "train/step_seconds" in row:
+            step_seconds[int(row["step"])] = row["train/step_seconds"]
     curve[steps] = dict(summary["final_policy"])
-    return {"steps": steps, "curve": curve, "final": curve[steps], "train_kl": train_kl}
+    elapsed: dict[int, float] = {}
+    if all(s in step_seconds for s in range(1, steps + 1)):
+        total = 0.0
+        elapsed[0] = total
+        for s in range(1, steps + 1):
+            total += step_seconds[s]
+            elapsed[s] = total
+    return {"steps": steps, "curve": curve, "final": curve[steps], "train_kl": train_kl, "elapsed": elapsed}
 
 
 def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
@@ -156,6 +172,7 @@ class VariantResult:
     steps: int
     curves: dict[str, dict[int, list[float]]]  # key -> step -> one value per seed (steps every seed has)
     finals: dict[str, list[float]]  # key -> one final value per seed
+    elapsed: dict[int, list[float]] | None = None  # step -> seconds of steps 1..step, one per seed (None: unrecorded)
 
     def mean_curve(self, key: str) -> dict[int, float]:
         return {s: sum(v) / len(v) for s, v in sorted(self.curves.get(key, {}).items())}
@@ -190,8 +207,12 @@ def combine(variant: str, runs: list[tuple[int, dict]]) -> VariantResult:
     if "kl" not in keys:
         kl_common = set.intersection(*(set(r["train_kl"]) for _, r in runs))
         curves["train_kl"] = {s: [r["train_kl"][s] for _, r in runs] for s in sorted(kl_common)}
+    elapsed = None
+    if all(r["elapsed"] for _, r in runs):
+        timed = set.intersection(*(set(r["elapsed"]) for _, r in runs))
+        elapsed = {s: [r["elapsed"][s] for _, r in runs] for s in sorted(timed)}
     return VariantResult(variant, [s for s, _ in runs], max(r["steps"] for _, r in runs), curves,
-                         {k: [r["final"][k] for _, r in runs] for k in keys})
+                         {k: [r["final"][k] for _, r in runs] for k in keys}, elapsed)
 
 
 def missing(specs: list[RunSpec]) -> list[RunSpec]:
@@ -204,12 +225,96 @@ def improved(result: VariantResult, key: str) -> bool:
     return bool(curve) and min(curve) == 0 and sum(result.finals[key]) / len(result.finals[key]) > curve[0]
 
 
+def _parity_step(curve: dict[int, list[float]], finals: list[float], rows: list[int],
+                 base_rows: list[int]) -> int | None:
+    """First step of ``curve`` (step -> one value per seed) whose mean over the seeds ``rows`` reaches the mean
+    of ``finals`` over the seeds ``base_rows``; None: never."""
+    target = sum(finals[i] for i in base_rows) / len(base_rows)
+    for step in sorted(curve):
+        if sum(curve[step][i] for i in rows) / len(rows) >= target:
+            return step
+    return None
+
+
 def steps_to_parity(result: VariantResult, baseline: VariantResult, key: str) -> float | None:
     """First evaluated step at which ``result``'s seed-mean of ``key`` reaches ``baseline``'s final
     seed-mean, divided by the baseline's number of steps (< 1: faster than PPO).  None: never reached.
     Meaningful only when the baseline improved on its start (:func:`improved`); the report says so."""
-    target = sum(baseline.finals[key]) / len(baseline.finals[key])
-    for step, value in result.mean_curve(key).items():
-        if value >= target:
-            return step / baseline.steps
-    return None
+    step = _parity_step(result.curves[key], baseline.finals[key], list(range(len(result.seeds))),
+                        list(range(len(baseline.seeds))))
+    return None if step is None else step / baseline.steps
+
+
+def time_to_parity(result: VariantResult, baseline: VariantResult, key: str) -> float | None:
+    """Wall-clock steps-to-parity: the seconds ``result``'s steps took up to its parity step (mean over its
+    seeds), divided by the seconds ``baseline``'s whole run took (mean over its seeds): the paper's claim is
+    about training time, and a variant whose step costs more can win in steps and lose here.  None: never
+    reached; nan: a run did not record its step times."""
+    if result.elapsed is None or baseline.elapsed is None:
+        return float("nan")
+    step = _parity_step(result.curves[key], baseline.finals[key], list(range(len(result.seeds))),
+                        list(range(len(baseline.seeds))))
+    if step is None:
+        return None
+    spent = result.elapsed[step]
+    whole = baseline.elapsed[max(baseline.elapsed)]
+    return (sum(spent) / len(spent)) / (sum(whole) / len(whole))
+
+
+def parity_draws(result: VariantResult, baseline: VariantResult, key: str, draws: int = 4000,
+                 seed: int = 0) -> list[float]:
+    """Bootstrap over seeds: ``draws`` times, the variant's and the baseline's seeds each resampled with
+    replacement and steps-to-parity computed from the resampled means (``inf``: never reached)."""
+    rng = random.Random(seed)
+    n, m = len(result.seeds), len(baseline.seeds)
+    out = []
+    for _ in range(draws):
+        rows = [rng.randrange(n) for _ in range(n)]
+        base_rows = [rng.randrange(m) for _ in range(m)]
+        step = _parity_step(result.curves[key], baseline.finals[key], rows, base_rows)
+        out.append(math.inf if step is None else step / baseline.steps)
+    return out
+
+
+def parity_interval(result: VariantResult, baseline: VariantResult, key: str, level: float = 0.95,
+                    draws: int = 4000, seed: int = 0) -> tuple[float | None, float | None]:
+    """Percentile bootstrap interval over seeds of :func:`steps_to_parity` (an end of None: in that share of
+    resamples the variant never reached the baseline)."""
+    values = sorted(parity_draws(result, baseline, key, draws, seed))
+    lo = values[int(math.floor((1 - level) / 2 * draws))]
+    hi = values[min(draws - 1, int(math.ceil((1 + level) / 2 * draws)) - 1)]
+    return tuple(None if v == math.inf else v for v in (lo, hi))
+
+
+# ----------------------------------------------------------------------------------------- tuning on validation
+def parse_grid(text: str) -> list[dict[str, str]]:
+    """``"actor_learning_rate=3e-5,1e-4 kl_ctl=0.02,0.1"`` -> every combination, as step-3 flag -> value dicts
+    in the written order (an empty text: one point with no flags, i.e. no tuning)."""
+    axes = []
+    for item in text.split():
+        name, sep, values = item.partition("=")
+        choices = [v for v in values.split(",") if v]
+        if not sep or not name or not choices:
+            raise ValueError(f"--tune_grid item {item!r}: write FLAG=V1,V2,... (e.g. actor_learning_rate=1e-5,3e-5)")
+        axes.append((name.lstrip("-"), choices))
+    points = [{}]
+    for name, choices in axes:
+        points = [{**p, name: v} for p in points for v in choices]
+    return points
+
+
+def point_label(point: dict[str, str]) -> str:
+    """A folder name for a grid point, e.g. ``actor_learning_rate=1e-05,kl_ctl=0.1`` ('default' when empty)."""
+    return ",".join(f"{k}={v}" for k, v in point.items()) or "default"
+
+
+def point_flags(point: dict[str, str]) -> list[str]:
+    return [x for k, v in point.items() for x in (f"--{k}", v)]
+
+
+def choose(scores: dict[str, list[float]]) -> str:
+    """The grid point (label -> its runs' final validation scores, one per tuning seed) with the highest mean;
+    the first written wins a tie, so a rerun chooses the same."""
+    if not scores:
+        raise ValueError("no finished tuning run to choose from")
+    return max(scores, key=lambda label: (sum(scores[label]) / len(scores[label]), -list(scores).index(label)))
