@@ -223,7 +223,8 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
              "recorded runs; every number below is read from the runs' own `summary.json` / `metrics.jsonl` "
              "(also in [results/results.json](results/results.json)).", "",
              "## Setup", "",
-             f"- Machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu']}; {m['os']}",
+             f"- Report generated on: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu']}; {m['os']} (the runs may have "
+             "run elsewhere: the records carry their numbers, not their machines)",
              f"- Versions: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']}, "
              f"transformers {m['transformers']}",
              f"- Seeds: {settings['seeds']} (data split fixed by `--data_seed 1234`); "
