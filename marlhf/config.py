@@ -268,11 +268,16 @@ class RewardArgs(SupervisedArgs):
     likelihood_norm: str = opt("sum", "The likelihood term over the answer: 'sum' α·Σ log p (longer answers score "
                                "lower by their length alone), 'mean' α·mean log p (no length bias). A folder's "
                                "term keeps the norm it was trained with.", choices=("sum", "mean"))
+    likelihood_scale: float = opt(1.0, "α at the start of a fresh likelihood term (then learnt). With 'mean', the "
+                                  "typical answer length gives the term the summed one's weight at that length, "
+                                  "without its slope in length.")
 
     def validate(self) -> None:
         super().validate()
-        if self.likelihood_norm != "sum" and not self.likelihood_term:
-            raise ValueError("--likelihood_norm is for --likelihood_term; add it or drop the flag")
+        if (self.likelihood_norm != "sum" or self.likelihood_scale != 1.0) and not self.likelihood_term:
+            raise ValueError("--likelihood_norm and --likelihood_scale are for --likelihood_term; add it or drop them")
+        if not self.likelihood_scale > 0:
+            raise ValueError(f"--likelihood_scale must be > 0, got {self.likelihood_scale}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 

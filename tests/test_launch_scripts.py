@@ -538,8 +538,9 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert (plain.likelihood_term, plain.learning_rate) == (False, 5e-4)
     # the term sums log p by default; LIKELIHOOD_NORM=mean averages it
     assert rm.likelihood_norm == "sum"
-    _, mean = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_NORM="mean")
-    assert (mean.likelihood_term, mean.likelihood_norm) == (True, "mean")
+    _, mean = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_NORM="mean", LIKELIHOOD_SCALE="45")
+    assert (mean.likelihood_term, mean.likelihood_norm, mean.likelihood_scale) == (True, "mean", 45.0)
+    assert rm.likelihood_scale == 1.0
     # step 3: the step-1/2 outputs, short prompts and answers, 16 prompts per PPO step
     assert (ppo.actor_model_name_or_path, ppo.critic_model_name_or_path) == \
         (f"./output/{root}/step1", f"./output/{root}/step2")

@@ -19,7 +19,7 @@ def loop_term(term: LikelihoodTerm, hidden, ids, mask, start, norm):
         total, count = 0.0, 0
         for t in range(T):
             if t >= int(start[b]) and t >= 1 and bool(mask[b, t]):
-                logits = hidden[b, t - 1].double() @ term.lm_head.weight.double().T
+                logits = hidden[b, t - 1].double() @ term.lm_head.weight.detach().double().T
                 total += float(logits.log_softmax(-1)[ids[b, t]])
                 count += 1
             out[b, t] = alpha * (total / max(count, 1) if norm == "mean" else total)
@@ -73,6 +73,36 @@ def test_the_norm_is_recorded_and_kept_on_reload(embedded, tmp_path):
     again = load_reward_model(str(tmp_path), tok)  # the folder's term keeps its norm
     assert again.likelihood.norm == "mean"
     assert load_reward_model(str(embedded.model_dir), tok, likelihood_term=True).likelihood.norm == "sum"
-    with pytest.raises(ConfigError, match="--likelihood_norm is for --likelihood_term"):
+    with pytest.raises(ConfigError, match="--likelihood_norm and --likelihood_scale are for --likelihood_term"):
         parse_args(RewardArgs, ["--likelihood_norm", "mean"])
     assert parse_args(RewardArgs, ["--likelihood_term", "--likelihood_norm", "mean"])[0].likelihood_norm == "mean"
+
+
+def test_likelihood_scale_starts_alpha_and_mean_at_length_l_equals_the_sum(embedded, tmp_path):
+    """--likelihood_scale L with the mean term: a fresh term's α is L, so an answer of L tokens scores exactly what
+    the summed term with α = 1 gives it; a folder's term keeps its learnt α; the flag is refused without the term."""
+    from marlhf.models.loading import load_reward_model, load_tokenizer
+
+    tok = load_tokenizer(str(embedded.model_dir))
+    mean = load_reward_model(str(embedded.model_dir), tok, likelihood_term=True, likelihood_norm="mean",
+                             likelihood_scale=6.0).eval()
+    total = load_reward_model(str(embedded.model_dir), tok, likelihood_term=True).eval()
+    assert float(mean.likelihood.scale) == 6.0 and float(total.likelihood.scale) == 1.0
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, len(tok), (2, 10), generator=g)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    start = torch.tensor([4, 4])  # 6 answer tokens: positions 4..9
+    with torch.no_grad():
+        hidden = mean.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        a = mean.likelihood(hidden, ids, mask, start)[:, -1]
+        b = total.likelihood(hidden, ids, mask, start)[:, -1]
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    mean.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert float(load_reward_model(str(tmp_path), tok, likelihood_scale=3.0).likelihood.scale) == 6.0
+    with pytest.raises(ConfigError, match="--likelihood_scale are for --likelihood_term"):
+        parse_args(RewardArgs, ["--likelihood_scale", "45"])
+    with pytest.raises(ConfigError, match="--likelihood_scale must be > 0"):
+        parse_args(RewardArgs, ["--likelihood_term", "--likelihood_scale", "0"])
+    args = parse_args(RewardArgs, ["--likelihood_term", "--likelihood_norm", "mean", "--likelihood_scale", "45"])[0]
+    assert (args.likelihood_norm, args.likelihood_scale) == ("mean", 45.0)

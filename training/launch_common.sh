@@ -45,6 +45,7 @@ PRINT_INTERVAL=50          # step 3: PPO steps between printed sample answers
 PPO_TASK_ARGS=()           # step 3: the task's own flags (code: see code_reward)
 LIKELIHOOD_TERM=0          # step 2: 1 = --likelihood_term (the score adds α·Σ log p(answer))
 LIKELIHOOD_NORM=sum        # step 2 with the term: sum (α·Σ log p) or mean (α·mean log p, no length bias)
+LIKELIHOOD_SCALE=1         # step 2 with the term: α at the start
 ADV_ESTIMATOR=""           # step 3: --advantage_estimator; "" = main.py's gae (MA-PPO with a critic)
 WHITEN_ADVANTAGES=0        # step 3: 1 = --whiten_advantages
 CLIP_REWARD=""             # step 3: --clip_reward_value; "" = main.py's (DeepSpeed-Chat's 5)
@@ -297,7 +298,7 @@ run_step() {
              dir=${STEP_DIRS[$1]}
              supervised_flags
              if [[ "$1" == 2 ]] && (( LIKELIHOOD_TERM )); then
-                 FLAGS+=(--likelihood_term --likelihood_norm "$LIKELIHOOD_NORM")
+                 FLAGS+=(--likelihood_term --likelihood_norm "$LIKELIHOOD_NORM" --likelihood_scale "$LIKELIHOOD_SCALE")
              fi ;;
         dpo) grad_accum "$GLOBAL_BATCH" "$PER_DEVICE"
              dpo_flags ;;

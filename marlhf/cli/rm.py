@@ -31,7 +31,7 @@ def main(argv=None):
     data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
     model = load_reward_model(run.model, tokenizer, args.dropout, likelihood_term=args.likelihood_term,
-                              likelihood_norm=args.likelihood_norm,
+                              likelihood_norm=args.likelihood_norm, likelihood_scale=args.likelihood_scale,
                               **load_options(args.dtype, args.zero_stage, args.offload))
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")

@@ -247,13 +247,15 @@ def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: 
 
 
 def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
-                      likelihood_term: bool = False, ds_config: dict | None = None, likelihood_norm: str = "sum"):
+                      likelihood_term: bool = False, ds_config: dict | None = None, likelihood_norm: str = "sum",
+                      likelihood_scale: float = 1.0):
     """A reward model: :func:`load_value_model`, plus the folder's :class:`LikelihoodTerm` when it has one.
 
     ``likelihood_term`` adds a fresh term (summing, or with ``likelihood_norm="mean"`` averaging, the answer's
     log-probabilities) to a model that has none (step 2 from an SFT model): its next-token
-    head starts as the folder's LM head (or the input embeddings, when the model ties them) and α as 1, so
-    the untrained reward model already ranks answers by how likely the SFT model finds them.  Under ZeRO-3
+    head starts as the folder's LM head (or the input embeddings, when the model ties them) and α as
+    ``likelihood_scale``, so the untrained reward model already ranks answers by how likely the SFT model finds
+    them (a folder's term keeps its own α).  Under ZeRO-3
     (``ds_config``) the term is built partitioned too and its weights are written in from rank 0."""
     import deepspeed
 
@@ -278,7 +280,7 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
             embedding = model.get_input_embeddings().weight
             with deepspeed.zero.GatheredParameters([embedding], enabled=zero3):
                 head = embedding.detach().clone()
-        scale = torch.tensor(1.0)
+        scale = torch.tensor(float(likelihood_scale))
     term = model.likelihood
     vocab = full_shape(term.lm_head.weight)[0]
     if head.shape[0] < vocab:  # the tokenizer gained tokens (_fit_vocab): they start at the mean row

@@ -18,11 +18,13 @@
 #                     (--likelihood_term); 0 = the score head alone, DeepSpeed-Chat's reward model
 #   LIKELIHOOD_NORM   sum (default) or mean: the term as α times the mean log p of the answer's tokens
 #                     (--likelihood_norm; the sum scores a shorter answer higher by its length alone)
+#   LIKELIHOOD_SCALE  α at the start (default 1; --likelihood_scale)
 #   and those of every script (HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
 #   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
 likelihood_term=${LIKELIHOOD_TERM:-1}  # read before the common file resets the knobs
 likelihood_norm=${LIKELIHOOD_NORM:-sum}
+likelihood_scale=${LIKELIHOOD_SCALE:-1}
 # shellcheck source=SCRIPTDIR/../../../launch_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
@@ -41,6 +43,7 @@ MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded mode
 GLOBAL_BATCH=16
 LIKELIHOOD_TERM=$likelihood_term
 LIKELIHOOD_NORM=$likelihood_norm
+LIKELIHOOD_SCALE=$likelihood_scale
 if (( LIKELIHOOD_TERM )); then LR=1e-4 EPOCHS=1; else LR=5e-4 EPOCHS=2; fi
 MAX_EVAL_SAMPLES=256
 
