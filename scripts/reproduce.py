@@ -47,10 +47,12 @@ from lab.results_report import write_report  # noqa: E402
 from marlhf.config import RLHFArgs  # noqa: E402
 
 # issue 30's power: >= 5 seeds, >= 100 steps, 256 held-out test prompts (512 held out, halved when tuning), and
-# every method tuned on the same actor learning rate x KL coefficient grid (3 x 2)
+# every method tuned on the same grid: actor learning rate x KL coefficient x GAE's λ (2 x 2 x 2; critic-free
+# methods have no λ: 2 x 2).  λ is on it because token-level PPO at λ 0.95 fell under its start with the gold
+# reward where λ 1 did not (docs/results/ppo_lambda.md): a fixed λ would favour the longer macro actions.
 FULL = dict(variants=list(sweep.VARIANTS), rewards=["gold", "rm"], seeds=[1, 2, 3, 4, 5], steps=100,
             eval_interval=10, eval_samples=512, dpo_steps=100,
-            tune_grid="actor_learning_rate=3e-5,1e-4,3e-4 kl_ctl=0.05,0.5")
+            tune_grid="actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0")
 QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8,
              dpo_steps=3, tune_grid="")
 SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
@@ -324,16 +326,28 @@ def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, co
         keep()
 
 
-def choose_points(tune: dict[str, tuple[dict, list[sweep.RunSpec]]], rewards: list[str],
+def tuning_plan(root: Path, grid: list[dict], rewards: list[str], variants: list[str],
+                seeds: list[int]) -> dict[tuple[str, str], tuple[dict, list[sweep.RunSpec]]]:
+    """(variant, point label) -> (point, its runs under ``root/tune/LABEL``): each variant's own grid
+    (:func:`lab.sweep.variant_points`), every reward and tuning seed."""
+    return {(v, sweep.point_label(pt)): (pt, sweep.plan(root / "tune" / sweep.point_label(pt), rewards, [v], seeds))
+            for v in variants for pt in sweep.variant_points(grid, v)}
+
+
+def choose_points(tune: dict[tuple[str, str], tuple[dict, list[sweep.RunSpec]]], rewards: list[str],
                   variants: list[str]) -> dict:
     """reward -> variant -> ``{"scores": {label: [validation gold per tuning seed]}, "chosen": {"label", "point"}
-    or None}``: the grid point with the best mean final validation gold, once every point's runs finished."""
+    or None}``: the point of the variant's grid with the best mean final validation gold, once all its runs
+    finished."""
     out: dict = {}
     for reward in rewards:
         for variant in variants:
-            scores, complete = {}, True
-            for label, (_, specs) in tune.items():
+            scores, points, complete = {}, {}, True
+            for (v, label), (point, specs) in tune.items():
                 runs = [s for s in specs if (s.reward, s.variant) == (reward, variant)]
+                if v != variant or not runs:
+                    continue
+                points[label] = point
                 if not all(s.done for s in runs):
                     complete = False
                     continue
@@ -341,7 +355,7 @@ def choose_points(tune: dict[str, tuple[dict, list[sweep.RunSpec]]], rewards: li
                                  for s in runs]
             best = sweep.choose(scores) if complete and scores else None
             out.setdefault(reward, {})[variant] = {
-                "scores": scores, "chosen": None if best is None else {"label": best, "point": tune[best][0]}}
+                "scores": scores, "chosen": None if best is None else {"label": best, "point": points[best]}}
     return out
 
 
@@ -383,8 +397,7 @@ def main(argv=None) -> int:
         if args.records and not args.dry_run and not args.report_only else None
     tuning = None
     if args.grid != [{}]:  # 2. every method at every grid point, on the validation prompts
-        tune = {sweep.point_label(pt): (pt, sweep.plan(root / "tune" / sweep.point_label(pt), args.rewards, variants,
-                                                     args.tune_seeds)) for pt in args.grid}
+        tune = tuning_plan(root, args.grid, args.rewards, variants, args.tune_seeds)
         tune_specs = [s for _, sp in tune.values() for s in sp]
         run_dirs += [s.out for s in tune_specs]
         if restore is not None:

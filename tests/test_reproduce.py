@@ -198,6 +198,19 @@ def test_tune_grid_is_every_combination_and_choose_takes_the_best_mean():
     assert sweep.choose({"a": [0.5], "b": [0.5]}) == "a"  # a tie: the first written
 
 
+def test_critic_free_variants_are_tuned_without_the_critics_flags():
+    grid = sweep.parse_grid("actor_learning_rate=1e-5,3e-5 lam=0.95,1.0")
+    assert sweep.variant_points(grid, "ppo") == grid
+    assert sweep.variant_points(grid, "grpo") == [{"actor_learning_rate": "1e-5"}, {"actor_learning_rate": "3e-5"}]
+    assert sweep.variant_points(grid, "mc_macro") == sweep.variant_points(grid, "rloo")
+    # every variant's grid is a valid step-3 configuration (step 3 refuses --lam without a critic)
+    from marlhf.config import RLHFArgs, parse_args
+
+    for name, variant in sweep.VARIANTS.items():
+        for point in sweep.variant_points(grid, name):
+            parse_args(RLHFArgs, [*variant.flags, *sweep.point_flags(point)])
+
+
 def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
     """Finished tuning runs (validation gold: PPO best at lr 1e-5, MA-PPO at 3e-5): a dry run plans the reported
     runs at each method's own choice, fresh seeds, the test half of the held-out prompts; the report shows the
@@ -221,10 +234,9 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
         variant = "ppo" if "/gold/ppo/" in line else "n5"
         assert f"--actor_learning_rate {best[variant]} --eval_prompts test --seed " in line, line
         assert "/tune/" not in line
-    from reproduce import choose_points
+    from reproduce import choose_points, tuning_plan
 
-    tune = {sweep.point_label(pt): (pt, sweep.plan(out / "tune" / sweep.point_label(pt), ["gold"], ["ppo", "n5"],
-                                                  [101])) for pt in sweep.parse_grid("actor_learning_rate=1e-5,3e-5")}
+    tune = tuning_plan(out, sweep.parse_grid("actor_learning_rate=1e-5,3e-5"), ["gold"], ["ppo", "n5"], [101])
     tuning = choose_points(tune, ["gold"], ["ppo", "n5"])
     assert tuning["gold"]["n5"]["chosen"]["point"] == {"actor_learning_rate": "3e-5"}
     assert tuning["gold"]["ppo"]["scores"] == {"actor_learning_rate=1e-5": [0.6], "actor_learning_rate=3e-5": [0.5]}

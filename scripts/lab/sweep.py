@@ -37,6 +37,7 @@ class Variant:
     label: str
     flags: tuple[str, ...]
     needs: tuple[str, ...] = ()  # RLHFArgs fields the flags need (a build without them cannot run it)
+    critic: bool = True  # False: critic-free, step 3 refuses the critic's and GAE's flags (CRITIC_FLAGS)
 
     def available(self, known_fields: set[str]) -> bool:
         return all(f in known_fields for f in self.needs)
@@ -71,16 +72,17 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     # critic-free: the whole answer is one action (no --termination_condition/--ngram: step 3 refuses them
     # there unless --policy_ratio macro, see marlhf/rlhf/estimators.check_estimator_options)
     Variant("rloo", "RLOO (K = 4)", ("--advantage_estimator", "rloo", *_GROUPS),
-            needs=("advantage_estimator", "num_samples_per_prompt")),
+            needs=("advantage_estimator", "num_samples_per_prompt"), critic=False),
     Variant("grpo", "GRPO (K = 4)", ("--advantage_estimator", "grpo", *_GROUPS),
-            needs=("advantage_estimator", "num_samples_per_prompt")),
+            needs=("advantage_estimator", "num_samples_per_prompt"), critic=False),
     Variant("grpo_dr", "Dr. GRPO (K = 4, no std)", ("--advantage_estimator", "grpo", "--grpo_normalization", "none",
                                                     *_GROUPS),
-            needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization")),
-    Variant("reinforce", "REINFORCE", ("--advantage_estimator", "reinforce"), needs=("advantage_estimator",)),
+            needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization"), critic=False),
+    Variant("reinforce", "REINFORCE", ("--advantage_estimator", "reinforce"), needs=("advantage_estimator",),
+            critic=False),
     # Monte-Carlo macro values (VinePPO): no critic, K = 4 continuations from every boundary of n = 5 actions
     Variant("mc_macro", "MC macro values (n = 5, K = 4)", ("--advantage_estimator", "mc_macro", "--mc_rollouts", "4"),
-            needs=("advantage_estimator", "mc_rollouts")),
+            needs=("advantage_estimator", "mc_rollouts"), critic=False),
 ]}
 
 # reward setting -> (step-3 flags, the held-out score it optimises)
@@ -310,6 +312,20 @@ def point_label(point: dict[str, str]) -> str:
 
 def point_flags(point: dict[str, str]) -> list[str]:
     return [x for k, v in point.items() for x in (f"--{k}", v)]
+
+
+# what a critic-free variant's step 3 refuses (no critic, no GAE between a response's steps): dropped from its grid
+CRITIC_FLAGS = frozenset({"lam", "lam_critic", "adaptive_lam_alpha", "gamma", "critic_learning_rate",
+                          "critic_weight_decay", "cliprange_value"})
+
+
+def variant_points(grid: list[dict[str, str]], variant: str) -> list[dict[str, str]]:
+    """The grid a variant is tuned on: every point, without the critic's and GAE's flags for a critic-free one
+    (the points that then coincide are one)."""
+    if VARIANTS[variant].critic:
+        return grid
+    points = [{k: v for k, v in pt.items() if k not in CRITIC_FLAGS} for pt in grid]
+    return list({point_label(pt): pt for pt in points}.values())
 
 
 def choose(scores: dict[str, list[float]]) -> str:
