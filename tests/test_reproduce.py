@@ -198,6 +198,16 @@ def test_tune_grid_is_every_combination_and_choose_takes_the_best_mean():
     assert sweep.choose({"a": [0.5], "b": [0.5]}) == "a"  # a tie: the first written
 
 
+def test_the_full_sweeps_defaults_have_the_power_issue_30_asks_for():
+    from reproduce import parse_args
+
+    args = parse_args([])
+    assert len(args.seeds) >= 5 and args.steps >= 100 and args.eval_samples >= 512  # 256 test prompts when halved
+    assert {"ppo", "n5", "n10", "parsing", "ppl", "lowprob", "mc_macro", "grpo", "rloo"} <= set(args.variants)
+    assert {k for pt in args.grid for k in pt} == {"actor_learning_rate", "kl_ctl", "lam"} and len(args.grid) == 8
+    assert not set(args.tune_seeds) & set(args.seeds) and parse_args(["--quick"]).grid == [{}]
+
+
 def test_critic_free_variants_are_tuned_without_the_critics_flags():
     grid = sweep.parse_grid("actor_learning_rate=1e-5,3e-5 lam=0.95,1.0")
     assert sweep.variant_points(grid, "ppo") == grid
