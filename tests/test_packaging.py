@@ -12,7 +12,9 @@ from conftest import REPO
 
 SOURCES = ["marlhf", "training", "scripts", "tests", "setup.py"]
 # the project's own top-level modules (and the tests' helpers beside them)
-LOCAL = {"marlhf", "lab"} | {p.stem for p in (REPO / "tests").rglob("*.py")}  # helpers: the tests' own, scripts/lab
+# helpers: the tests' own, scripts/lab and the scripts themselves (scripts/ is on the tests' path)
+LOCAL = ({"marlhf", "lab"} | {p.stem for p in (REPO / "tests").rglob("*.py")}
+         | {p.stem for p in (REPO / "scripts").glob("*.py")})
 
 
 def declared() -> set[str]:
