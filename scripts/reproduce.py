@@ -336,6 +336,43 @@ def tuning_plan(root: Path, grid: list[dict], rewards: list[str], variants: list
             for v in variants for pt in sweep.variant_points(grid, v)}
 
 
+def tune_methods(args, root: Path, variants: list[str], sft: str, rm: str, commands: list[str], keep, restore,
+                 run_dirs: list[Path]) -> dict | None:
+    """Run the tuning runs (restored from ``--records`` where finished; their folders join ``run_dirs``, which
+    ``keep`` archives) and choose each method's point (:func:`choose_points`, also written to ``tuning.json``)."""
+    if args.grid == [{}]:
+        return None
+    tune = tuning_plan(root, args.grid, args.rewards, variants, args.tune_seeds)
+    tune_specs = [s for _, sp in tune.values() for s in sp]
+    run_dirs += [s.out for s in tune_specs]
+    if restore is not None:
+        print(f"restored {restore([s.out for s in tune_specs])} files of finished tuning runs from {args.records}",
+              flush=True)
+    own = {s.out: (*sweep.point_flags(pt), "--eval_prompts", "validation") for pt, sp in tune.values() for s in sp}
+    run_specs(tune_specs, args, sft, rm, own, commands, keep, "tuning")
+    tuning = choose_points(tune, args.rewards, variants)
+    if not args.dry_run:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "tuning.json").write_text(json.dumps(tuning, indent=1))
+    return tuning
+
+
+def reported_runs(specs: list[sweep.RunSpec], tuning: dict | None,
+                  dry_run: bool) -> tuple[list[sweep.RunSpec], dict[Path, tuple[str, ...]]]:
+    """The runs to report and each one's own flags: all of them as they are without tuning; with it, those whose
+    method has chosen its point (a dry run plans all), at that point, on the test half of the prompts."""
+    if tuning is None:
+        return specs, {}
+    chosen = {(r, v): c["chosen"]["point"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
+    waiting = [s for s in specs if (s.reward, s.variant) not in chosen]
+    if waiting and not dry_run:
+        print(f"{len(waiting)} runs wait for their tuning to finish (rerun to continue)", flush=True)
+        specs = [s for s in specs if (s.reward, s.variant) in chosen]
+    own = {s.out: (*sweep.point_flags(chosen.get((s.reward, s.variant), {})), "--eval_prompts", "test")
+           for s in specs}
+    return specs, own
+
+
 def choose_points(tune: dict[tuple[str, str], tuple[dict, list[sweep.RunSpec]]], rewards: list[str],
                   variants: list[str]) -> dict:
     """reward -> variant -> ``{"scores": {label: [validation gold per tuning seed]}, "chosen": {"label", "point"}
@@ -397,32 +434,10 @@ def main(argv=None) -> int:
         print(f"restored {restored} files of finished runs from {args.records}", flush=True)
     restore = (lambda dirs: sweep_records.restore(Path(args.records), root, dirs)) \
         if args.records and not args.dry_run and not args.report_only else None
-    tuning = None
-    if args.grid != [{}]:  # 2. every method at every grid point, on the validation prompts
-        tune = tuning_plan(root, args.grid, args.rewards, variants, args.tune_seeds)
-        tune_specs = [s for _, sp in tune.values() for s in sp]
-        run_dirs += [s.out for s in tune_specs]
-        if restore is not None:
-            print(f"restored {restore([s.out for s in tune_specs])} files of finished tuning runs from {args.records}",
-                  flush=True)
-        own = {s.out: (*sweep.point_flags(pt), "--eval_prompts", "validation") for pt, sp in tune.values() for s in sp}
-        run_specs(tune_specs, args, sft, rm, own, commands, keep, "tuning")
-        tuning = choose_points(tune, args.rewards, variants)
-        if not args.dry_run:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / "tuning.json").write_text(json.dumps(tuning, indent=1))
-    chosen = {} if tuning is None else {(r, v): c["chosen"] for r, by in tuning.items() for v, c in by.items()
-                                        if c["chosen"]}
-    if tuning is not None:  # 3. the reported runs: the chosen point, fresh seeds, the test prompts
-        blocked = [s for s in specs if (s.reward, s.variant) not in chosen]
-        if blocked and not args.dry_run:
-            print(f"{len(blocked)} runs wait for their tuning to finish (rerun to continue)", flush=True)
-        specs = [s for s in specs if (s.reward, s.variant) in chosen or args.dry_run]
-        point = {s.out: chosen[(s.reward, s.variant)]["point"] if (s.reward, s.variant) in chosen else {}
-                 for s in specs}
-        own = {s.out: (*sweep.point_flags(point[s.out]), "--eval_prompts", "test") for s in specs}
-    else:
-        own = {}
+    # 2. every method at every point of its grid, on the validation prompts; None without --tune_grid
+    tuning = tune_methods(args, root, variants, sft, rm, commands, keep, restore, run_dirs)
+    # 3. the reported runs: each method at its chosen point, fresh seeds, the test prompts
+    specs, own = reported_runs(specs, tuning, args.dry_run)
     run_specs(specs, args, sft, rm, own, commands, keep, "runs")
     dpo = dpo_track(args, root, sft, rm, specs, commands)
     keep()
