@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from marlhf.errors import ConfigError
+from marlhf.external_rewards import check_function_spec, check_url
+from marlhf.rlhf.advantages import check_estimator_options
 from marlhf.tasks import TaskNames
 
 
@@ -485,8 +488,6 @@ class RLHFArgs(BaseArgs):
     def validate_reward_flags(self) -> None:
         """The user's reward's flags: given with their source only, and well-formed (ConfigError).  A python
         spec's module is imported when the source is built (marlhf.rewards.build_reward_source)."""
-        from marlhf.errors import ConfigError
-        from marlhf.external_rewards import check_function_spec, check_url
 
         defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
         for flag, source in (("reward_function", "python"), ("reward_url", "remote"), ("reward_timeout", "remote"),
@@ -518,7 +519,6 @@ class RLHFArgs(BaseArgs):
 
     def validate_estimator(self) -> None:
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""
-        from marlhf.rlhf.advantages import check_estimator_options
 
         defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
         check_estimator_options(
@@ -637,7 +637,6 @@ def parse_args(cls: type[BaseArgs], argv: list[str] | None = None):
 
     Returns ``(args, namespace)``: the typed config, and the raw namespace holding DeepSpeed's extra flags.
     """
-    from marlhf.errors import ConfigError
 
     try:
         return _parse_args(cls, argv)

@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 
 from marlhf.data import synthetic
+from marlhf.data.adapters.loader import synthetic_records
 from marlhf.models.tiny import TINY_SIZES, create_tiny_model  # cheap: torch/transformers load lazily
+from marlhf.models.tokenizer import train_tokenizer
 from marlhf.utils.cache import build_atomically, check_complete, default_home
 
 logger = logging.getLogger(__name__)
@@ -106,8 +108,6 @@ def default_model(path: str) -> str:
 
 def _build_task(out: Path, cfg: synthetic.SyntheticConfig, vocab_size: int) -> None:
     """Records, tokenizer trained on all their text, and a manifest with measured statistics."""
-    from marlhf.data.adapters.loader import synthetic_records  # the records cache --data_path synthetic reads
-    from marlhf.models.tokenizer import train_tokenizer
 
     out.mkdir(parents=True)
     logger.info("generating %d records (seed %d, label noise %g)", cfg.num_records, cfg.seed, cfg.label_noise)

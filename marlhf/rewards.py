@@ -23,7 +23,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from marlhf.errors import ConfigError
+from marlhf.eval.reward import score_texts
 from marlhf.generation import Samples, decode_samples
+from marlhf.models.forward import sequence_scores
 
 REWARD_SOURCES = ("reward_model", "gold", "program_tests", "python", "remote")
 # The training rewards that need no reward model, and the name the held-out evaluation reports each under
@@ -60,7 +63,6 @@ class RewardModelSource:
     @torch.no_grad()
     def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
         """(B,) scores of already-tokenized sequences: left-padded prompts ``prompt_width`` wide, then answers."""
-        from marlhf.models.forward import sequence_scores
 
         return sequence_scores(self.model, seq, attention_mask, prompt_width)
 
@@ -68,7 +70,6 @@ class RewardModelSource:
         """Scores of prompt + response + end token, tokenized as step 2 tokenizes them."""
         if self.tokenizer is None:
             raise ValueError("this reward model source scores token sequences only (built without a tokenizer)")
-        from marlhf.eval.reward import score_texts
 
         return score_texts(self.model, self.tokenizer, prompts, responses, eot=self.eot,
                            prompt_format=self.prompt_format, max_seq_len=self.max_seq_len,
@@ -102,7 +103,6 @@ def build_reward_source(name: str, *, reward_model=None, task=None, workers: int
     tests in each record's meta), ``python`` (the ``function`` spec, imported now so a bad one fails before
     training) or ``remote`` (the server at ``url``, with ``timeout`` seconds per attempt and ``retries``
     retries)."""
-    from marlhf.errors import ConfigError
 
     if name in ("reward_model", "rm"):
         if reward_model is None:
@@ -136,7 +136,6 @@ def build_reward_source(name: str, *, reward_model=None, task=None, workers: int
 
 def require_meta(items: list[dict], key: str, what: str) -> None:
     """Every prompt example carries ``meta[key]`` (e.g. the unit tests ``input_output``), else a clear error."""
-    from marlhf.errors import ConfigError
 
     missing = sum(1 for it in items if not (it.get("meta") or {}).get(key))
     if missing:

@@ -25,6 +25,8 @@ import json
 import os
 from pathlib import Path
 
+from marlhf.data import synthetic
+from marlhf.data.adapters import dataset_name
 from marlhf.eval.judge import VerdictFormat, render_template
 
 # The repository's applications/ folder; MARLHF_APPLICATIONS points elsewhere (e.g. an installed copy).
@@ -181,7 +183,6 @@ def load_task(name_or_path: str | Path, root: str | Path = APPLICATIONS_DIR) -> 
 def task_of_datasets(data_path: list[str] | tuple[str, ...], root: str | Path = APPLICATIONS_DIR) -> Task | None:
     """The task whose ``datasets`` declare every dataset of ``data_path`` (by name: ``NAME:LOCAL_PATH`` is NAME,
     ``synthetic:k=v`` is ``synthetic``), or None when a dataset belongs to no task or they belong to different ones."""
-    from marlhf.data.adapters import dataset_name
 
     names = {dataset_name(spec) for spec in data_path}
     if not names or None in names:
@@ -219,7 +220,6 @@ class GoldScorer:
     total); calling the scorer, ``(prompts, answers, ended) -> scores``, parses the prompts."""
 
     def __init__(self):
-        from marlhf.data import synthetic
 
         self._synthetic = synthetic
         self.components = synthetic.GOLD_COMPONENTS

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 
 from marlhf.data.formatting import ConversationFormat
 from marlhf.embedded import default_model
-from marlhf.models.loading import load_tokenizer_and_format
-from marlhf.tasks import Task, resolve_task
+from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids
+from marlhf.rewards import build_reward_source
+from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine, model_paths
+from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
+from marlhf.tasks import Task, resolve_task, response_kind
 from marlhf.utils.run import record_run_context, setup_run
 
 
@@ -42,7 +45,6 @@ def start(args, model_flag: str, padding_side: str = "right", model: str | None 
 
 def reward_source(args, task: Task | None, reward_model=None):
     """Step 3's ``--reward_source`` (and its flags) built (:func:`marlhf.rewards.build_reward_source`)."""
-    from marlhf.rewards import build_reward_source
 
     return build_reward_source(args.reward_source, reward_model=reward_model, task=task, workers=args.reward_workers,
                                function=args.reward_function, url=args.reward_url, timeout=args.reward_timeout,
@@ -52,8 +54,6 @@ def reward_source(args, task: Task | None, reward_model=None):
 def step3_context(args, started_actor: str, task: Task | None) -> dict:
     """What step 3 resolves beside the actor: the critic / reward model paths (an empty critic flag with a reward
     model is the embedded default) and the response kind (the task's, else from the reward source)."""
-    from marlhf.rlhf.rlhf_engine import model_paths
-    from marlhf.tasks import response_kind
 
     paths = model_paths(started_actor, args.critic_model_name_or_path, args.reward_model_name_or_path,
                         args.reward_source, default=lambda: default_model(""))
@@ -66,9 +66,6 @@ def step3_trainer(args, actor: str, tokenizer, fmt: ConversationFormat, context:
     """Step 3 from its flags and its run context (:func:`step3_context`): the four models' engines
     (:func:`marlhf.rlhf.rlhf_engine.build_rlhf_engine`) and the MA-PPO recipe with its reward source (``reward``:
     one built already, else ``--reward_source``'s).  Returns ``(trainer, learning rates in force)``."""
-    from marlhf.models.loading import stop_token_ids
-    from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine
-    from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
 
     sections = MAPPOSections.from_args(args, response_kind=context["response_kind"],
                                        stop_ids=stop_token_ids(tokenizer, fmt.end_of_conversation_token),

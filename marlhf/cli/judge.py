@@ -25,16 +25,16 @@ import os
 import sys
 from pathlib import Path
 
-from marlhf.data.records import DataError
+from marlhf.data.adapters.files import iter_file_rows
+from marlhf.data.records import DataError, require_text
+from marlhf.data.synthetic import gold_scores
 from marlhf.errors import ConfigError, run_cli
-from marlhf.eval.judge import ChatCompletionsJudge, compare_policies, summarize
+from marlhf.eval.judge import ChatCompletionsJudge, ScorerJudge, compare_policies, summarize
 from marlhf.tasks import load_task
 
 
 def read_responses(path: str) -> list[tuple[str, int, str, str]]:
     """(file, row, prompt, response) of each row; a bad row is a DataError naming file, row and field."""
-    from marlhf.data.adapters.files import iter_file_rows
-    from marlhf.data.records import DataError, require_text
 
     if not Path(path).is_file():
         raise ConfigError(f"responses file {path!r} does not exist")
@@ -64,7 +64,6 @@ def read_pairs(path_a: str, path_b: str) -> list[tuple[str, str, str]]:
 
 def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int):
     """A reward model or the embedded task's gold scorer as the judge (the higher score wins)."""
-    from marlhf.eval.judge import ScorerJudge
 
     if kind == "reward_model":
         if not reward_model:
@@ -73,7 +72,6 @@ def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int
 
         rm = Scorer(reward_model)
         return ScorerJudge(lambda p, r: rm(p, r, batch_size), tie_margin)
-    from marlhf.data.synthetic import gold_scores
 
     return ScorerJudge(gold_scores, tie_margin)
 

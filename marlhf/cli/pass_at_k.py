@@ -16,14 +16,14 @@ from pathlib import Path
 
 from marlhf.code.apps import extract_code, load_problem
 from marlhf.code.sandbox import Limits, run_programs
+from marlhf.data.adapters.files import iter_file_rows
+from marlhf.data.records import DataError
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.pass_at_k import pass_at_k_table
 
 
 def read_samples(path: str) -> dict[str, list[str]]:
     """Responses per problem id; a bad row is a DataError naming file, row and field."""
-    from marlhf.data.adapters.files import iter_file_rows
-    from marlhf.data.records import DataError
 
     if not Path(path).is_file():
         raise ConfigError(f"samples file {path!r} does not exist")

@@ -18,7 +18,7 @@ import sys
 
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.placement import add_placement_args
-from marlhf.eval.reward import gold_scorer
+from marlhf.eval.reward import Scorer, gold_scorer
 from marlhf.eval.score_report import (
     build_report,
     format_report,
@@ -60,7 +60,6 @@ def main(argv=None) -> int:
     generations = read_generations(args.generations)
     if args.baseline is not None and args.baseline not in generations:
         raise ConfigError(f"--baseline {args.baseline!r} is not one of the policies: {', '.join(generations)}")
-    from marlhf.eval.reward import Scorer
 
     rm = Scorer(args.reward_model, args.end_of_conversation_token, args.max_seq_len, args.prompt_format,
                 device=args.device, dtype=args.dtype)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from marlhf.data.adapters import load_records
 from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
 from marlhf.data.records import BadRowPolicy, DataError, Record
 from marlhf.errors import ConfigError
@@ -60,7 +61,6 @@ def holdout_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list
 def phase_records(specs: list[str], data_split: str, phase: int, seed: int, eval_fraction: float,
                   policy: BadRowPolicy) -> tuple[list[Record], list[Record]]:
     """(train, eval) records of ``phase`` over all datasets in ``specs``."""
-    from marlhf.data.adapters import load_records
 
     train, evaluation = [], []
     for spec in specs:

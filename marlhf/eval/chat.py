@@ -9,6 +9,7 @@ messages).  Answers are sampled through the generation seam and post-processed b
 
 from __future__ import annotations
 
+from marlhf.data.formatting import LongPromptPolicy
 from marlhf.eval.generate import LoadedPolicy, batch_seed
 
 
@@ -30,7 +31,6 @@ class ChatSession:
     def model_input(self, user: str) -> str:
         """The text the model reads: the raw prompt in the policy's prompt format, over-long history cut from
         the oldest turns as step 3 cuts long prompts."""
-        from marlhf.data.formatting import LongPromptPolicy
 
         text, drop = LongPromptPolicy("truncate").fit(self.policy.formatter, self.raw_prompt(user), self.max_prompt_len)
         return text + (f"\n(its first {drop} tokens are cut: over --max_prompt_len)" if drop else "")

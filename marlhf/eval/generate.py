@@ -25,8 +25,18 @@ from pathlib import Path
 
 import torch
 
+from marlhf.config import BaseArgs
+from marlhf.data.adapters.files import iter_file_rows
+from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
+from marlhf.data.pipeline import _pad, phase_records
+from marlhf.data.records import BadRowPolicy, DataError, require_text
+from marlhf.embedded import default_model
 from marlhf.errors import ConfigError
+from marlhf.eval.placement import add_placement_args, resolve_placement
 from marlhf.generation import GenerationConfig, decode_samples, sample
+from marlhf.models.card import STEP3_MODELS, locate
+from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, resolve_model_path, stop_token_ids
+from marlhf.utils import events
 
 log = logging.getLogger("marlhf")
 
@@ -42,8 +52,6 @@ class Prompt:
 def prompts_from_file(path: str | Path) -> list[Prompt]:
     """Prompts of a json/jsonl/parquet file: a ``prompt`` per row, ``id`` (or ``prompt_id``) optional (default:
     the row number).  A bad row is a DataError naming file, row and field."""
-    from marlhf.data.adapters.files import iter_file_rows
-    from marlhf.data.records import DataError, require_text
 
     path = Path(path)
     if not path.is_file():
@@ -71,8 +79,6 @@ def prompts_from_dataset(specs: Sequence[str], split: str, *, data_split: str, s
     """The prompts training sees: ``split`` "eval" is the held-out set step ``phase`` evaluates on (the test
     split, or the seeded held-out slice), "train" is that step's share of the training rows — the same
     rows as training under the same ``--data_split`` / ``--seed`` / ``--eval_fraction``."""
-    from marlhf.data.pipeline import phase_records
-    from marlhf.data.records import BadRowPolicy
 
     if split not in ("train", "eval"):
         raise ConfigError(f"--split must be 'train' or 'eval', got {split!r}")
@@ -89,12 +95,9 @@ def prompts_from_dataset(specs: Sequence[str], split: str, *, data_split: str, s
 def policy_folder(path: str, model: str = "actor") -> str:
     """The model folder to sample from: ``path`` itself (an HF folder or hub name), step 3's ``model``
     sub-folder when ``path`` is a step-3 output, or the embedded default when empty."""
-    from marlhf.embedded import default_model
-    from marlhf.models.loading import resolve_model_path
 
     if not path or not Path(path).expanduser().is_dir():
         return resolve_model_path(default_model(path))
-    from marlhf.models.card import locate
 
     src = locate(path, model)
     if src.adapter_only:
@@ -109,9 +112,6 @@ class LoadedPolicy:
     def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = "auto",
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
         """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.eval.placement`)."""
-        from marlhf.data.formatting import PromptFormatter
-        from marlhf.eval.placement import resolve_placement
-        from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids
 
         self.placement = resolve_placement(device, dtype)
         self.path = policy_folder(path, model)
@@ -131,8 +131,6 @@ class LoadedPolicy:
     def encode(self, prompts: Sequence[str], max_prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (ids, mask) of raw prompts in the policy's prompt format; a prompt over
         ``max_prompt_len`` tokens keeps its most recent turns (as step 3 truncates)."""
-        from marlhf.data.formatting import LongPromptPolicy
-        from marlhf.data.pipeline import _pad
 
         fit = LongPromptPolicy("truncate")
         seqs = []
@@ -208,7 +206,6 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
     Returns the number of rows written by this call."""
     from tqdm.auto import tqdm
 
-    from marlhf.utils import events
 
     if batch_size < 1 or num_samples < 1:
         raise ConfigError(f"--batch_size and --num_samples must be at least 1, got {batch_size}, {num_samples}")
@@ -272,7 +269,6 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
 # ------------------------------------------------------------------------------------ the tools' flags
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.0) -> None:
     """The policy and sampling flags the generation tools share."""
-    from marlhf.models.card import STEP3_MODELS
 
     p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
     p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
@@ -285,14 +281,12 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.
     p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
     p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
-    from marlhf.eval.placement import add_placement_args
 
     add_placement_args(p)
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
     """``--prompts FILE`` or ``--data_path SPEC… --split`` with the training run's split flags."""
-    from marlhf.config import BaseArgs
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", default=None, help="json/jsonl/parquet file with a 'prompt' per row")

@@ -12,8 +12,13 @@ import torch
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import SFTCollator, _pad, tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
+from marlhf.data.synthetic import gold_scores
+from marlhf.dpo import labelled_logprobs
+from marlhf.eval.placement import resolve_placement
 from marlhf.models.forward import sequence_scores
 from marlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer_and_format
+from marlhf.tasks import load_task, task_of_datasets
+from marlhf.utils.run import RUN_CONTEXT
 
 
 class Scorer:
@@ -27,7 +32,6 @@ class Scorer:
     def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto",
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
         """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.eval.placement`)."""
-        from marlhf.eval.placement import resolve_placement
 
         self.placement = resolve_placement(device, dtype)
         self.tok, self.format = load_tokenizer_and_format(path, eot, prompt_format)
@@ -57,7 +61,6 @@ class LikelihoodScorer(Scorer):
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], batch_size: int = 16) -> list[float]:
-        from marlhf.dpo import labelled_logprobs  # DPO's Σ log π over the response: one copy of the maths
 
         items = _items(self.tok, prompts, responses, eot=self.eot, prompt_format=self.format.prompt_format,
                        max_seq_len=self.max_len)
@@ -94,8 +97,6 @@ def score_texts(model, tokenizer, prompts: list[str], responses: list[str], *, e
 def recorded_task(model_dir: str):
     """The task of the run that wrote ``model_dir`` (its args.json, beside it or one level up): the task it
     resolved (its run context), else the task of its recorded --data_path; None when it had none."""
-    from marlhf.tasks import load_task, task_of_datasets
-    from marlhf.utils.run import RUN_CONTEXT
 
     for folder in (Path(model_dir), Path(model_dir).parent):
         path = folder / "args.json"
@@ -112,8 +113,6 @@ def gold_scorer(mode: str, data_path: list[str] | None, reward_model: str):
     """``--gold``: "off" None, "on" the embedded task's gold scorer, "auto" the gold scorer of the task (the task
     declaring ``data_path``'s datasets, else the reward model's run's task) when it has one.  Called as
     ``(prompts, answers[, ended])``."""
-    from marlhf.data.synthetic import gold_scores
-    from marlhf.tasks import task_of_datasets
 
     if mode == "off":
         return None

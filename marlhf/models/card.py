@@ -19,8 +19,19 @@ from pathlib import Path
 
 import torch
 
+from marlhf.data.formatting import FORMAT_FILE, write_format
 from marlhf.embedded import default_model
 from marlhf.errors import ConfigError
+from marlhf.models.heads import attach_likelihood_term
+from marlhf.models.loading import (
+    load_causal_lm,
+    load_tokenizer_and_format,
+    load_value_model,
+    resolve_model_path,
+    stop_token_ids,
+    torch_dtype,
+)
+from marlhf.models.lora import apply_lora
 from marlhf.utils.run import recorded_value
 
 log = logging.getLogger("marlhf")
@@ -177,7 +188,6 @@ def _load(src: StepOutput, base_model: str, tok, dtype):
     base = base_model or adapter_cfg.get("base_model_name_or_path") or ""
     if not base:
         raise ConfigError(f"{src.model_dir}: a LoRA adapter without a recorded base model; give --base_model")
-    from marlhf.models.loading import resolve_model_path
 
     extra = {"num_labels": 1} if is_value else {}
     model = cls.from_pretrained(resolve_model_path(base), dtype=dtype, **extra)
@@ -248,9 +258,6 @@ def checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
 def _model_from_checkpoint(src: StepOutput, base_model: str):
     """(model with the checkpoint's weights, LoRA merged; tokenizer; format), rebuilt as the run built it from
     its recorded flags (args.json): base model, end token, prompt format, added tokens, LoRA."""
-    from marlhf.models.heads import attach_likelihood_term
-    from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, load_value_model
-    from marlhf.models.lora import apply_lora
 
     args = _read_args(src.run_dir)
     if not args and not base_model:
@@ -304,8 +311,6 @@ def export_step_output(folder: str | Path, out_dir: str | Path, model: str = "ac
     """Write ``folder``'s model as a clean HF folder with a README.md model card into ``out_dir``.
     ``from_checkpoint``: take the weights from the run's (latest, or the given) DeepSpeed checkpoint instead
     of its exported model — for a run stopped before its export; ZeRO partitions are merged, LoRA merged."""
-    from marlhf.data.formatting import FORMAT_FILE, write_format
-    from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids, torch_dtype
 
     src = locate_checkpoint(folder, model) if from_checkpoint else locate(folder, model)
     out_dir = Path(out_dir)

@@ -22,7 +22,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
+from marlhf.data.formatting import read_format, resolve_format
 from marlhf.models.heads import attach_likelihood_term, fp32_head, full_shape
+from marlhf.utils import dist
+from marlhf.utils.ds_config import eval_config
+from marlhf.utils.ds_engine import _merge
 
 log = logging.getLogger("marlhf")
 
@@ -63,7 +67,6 @@ def load_tokenizer_and_format(path: str, end_of_conversation_token: str = "", pr
                               padding_side: str = "right", add_eot_token: bool = False):
     """(tokenizer, :class:`~marlhf.data.formatting.ConversationFormat`) of a model folder: the flags win,
     then what the folder records (a model trained here), then the tokenizer's own end-of-turn token."""
-    from marlhf.data.formatting import read_format, resolve_format
 
     path = resolve_model_path(path)
     recorded = read_format(path)
@@ -139,9 +142,6 @@ def zero3_init_config(zero_stage: int, offload: bool, dtype: str, extra: dict | 
     they are the engine's (:func:`~marlhf.utils.ds_config.eval_config` / ``train_config`` share them)."""
     if zero_stage != 3:
         return None
-    from marlhf.utils import dist
-    from marlhf.utils.ds_config import eval_config
-    from marlhf.utils.ds_engine import _merge
 
     cfg = eval_config(zero_stage=3, offload=offload, dtype=dtype, world_size=dist.world_size())
     _merge(cfg, extra or {})
@@ -285,7 +285,6 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
     vocab = full_shape(term.lm_head.weight)[0]
     if head.shape[0] < vocab:  # the tokenizer gained tokens (_fit_vocab): they start at the mean row
         head = torch.cat([head, head.float().mean(0, keepdim=True).to(head.dtype).expand(vocab - head.shape[0], -1)])
-    from marlhf.utils import dist
 
     # under ZeRO-3 rank 0 writes the gathered tensors and they are partitioned again on exit
     with deepspeed.zero.GatheredParameters(list(term.parameters()), modifier_rank=0, enabled=zero3), torch.no_grad():

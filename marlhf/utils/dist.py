@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from marlhf.errors import UserError
+
 log = logging.getLogger("marlhf")
 T = TypeVar("T")
 
@@ -91,7 +93,6 @@ def work_for_all():
     barrier that also carries the outcome.  A user error inside stops every rank together: the rank that hit
     it re-raises it (rank 0 prints it), the others raise a short :class:`UserError` — instead of dying at
     the barrier with a connection error and a traceback when the failing rank exits first."""
-    from marlhf.errors import UserError
 
     failed = None
     try:
@@ -115,7 +116,6 @@ def decide_on_main(fn: Callable[[], T]) -> T:
     a shared filesystem, or one whose cache lags) take different branches, and a rank that skips a collective
     the others enter hangs them all.  An error in ``fn`` stops every rank: rank 0 raises it, the others a short
     :class:`UserError` (a user error) or RuntimeError (anything else)."""
-    from marlhf.errors import UserError
 
     if world_size() == 1:
         return fn()

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from marlhf.errors import ConfigError
 from marlhf.rlhf.estimators import GRPO_NORMALIZATIONS, KL_PENALTIES, broadcast_to_tokens, sequence_returns
 from marlhf.rlhf.macro import num_macros
 from marlhf.rlhf.ppo_math import whiten
@@ -134,7 +135,6 @@ def check_estimator_options(
       computed and never used), --whiten_advantages with grpo (already normalised per group).
     --grpo_normalization none is only meaningful with grpo.
     """
-    from marlhf.errors import ConfigError
 
     if estimator not in ESTIMATORS and estimator in ESTIMATORS.module_names():  # added since the package's import
         estimator_class(estimator)

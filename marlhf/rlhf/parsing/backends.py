@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from marlhf.rlhf.parsing.benepar_model import prepare
 from marlhf.rlhf.parsing.core import Node
 from marlhf.rlhf.parsing.installed import (  # noqa: F401  (spacy_model_available: part of this module's API)
     DEFAULT_BENEPAR_MODEL,
@@ -167,7 +168,6 @@ def resolve_benepar_model(model: str | None) -> str:
     if benepar_model_available(DEFAULT_BENEPAR_MODEL):
         logger.info("benepar model: the released %r (installed)", DEFAULT_BENEPAR_MODEL)
         return DEFAULT_BENEPAR_MODEL
-    from marlhf.rlhf.parsing.benepar_model import prepare  # builds the offline model: heavy, first use only
 
     path = str(prepare())
     logger.info("benepar model: %r is not installed; using the project-built silver-tree model %s",

@@ -48,6 +48,7 @@ from typing import Any
 
 from marlhf.rlhf.parsing.installed import DEFAULT_SPACY_MODEL, spacy_model_available
 from marlhf.utils.cache import build_atomically, check_complete, default_home
+from marlhf.utils.rng import isolated_rng
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +328,6 @@ def save_release(parser: Any, out: Path) -> None:
 
 
 def _build(out: Path, seed: int, steps: int, sentences: list[str], spacy_model: str) -> None:
-    from marlhf.utils.rng import isolated_rng
 
     # The build can happen inside a training run (step 3's first use): leave the caller's RNG alone.
     with isolated_rng():  # train_parser calls torch.manual_seed, which reseeds the accelerator devices too

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from marlhf.rlhf.parsing import ParseSegmenter
 from marlhf.rlhf.termination import Answers, TerminationRule, register
 
 
@@ -13,7 +14,6 @@ from marlhf.rlhf.termination import Answers, TerminationRule, register
 class Parsing(TerminationRule):
     def __init__(self, section, tokenizer):
         super().__init__(section, tokenizer)
-        from marlhf.rlhf.parsing import ParseSegmenter
 
         self.tokenizer = tokenizer
         self.parser = ParseSegmenter(kind=section.response_kind, backend=section.parser_backend,

@@ -1,5 +1,6 @@
 """The word rule: a macro action per word (a token that starts a word opens one)."""
 
+from marlhf.models.tokenizer import word_start_table
 from marlhf.rlhf.macro import word_starts
 from marlhf.rlhf.termination import Answers, TerminationRule, register
 
@@ -8,7 +9,6 @@ from marlhf.rlhf.termination import Answers, TerminationRule, register
 class Word(TerminationRule):
     def __init__(self, section, tokenizer):
         super().__init__(section, tokenizer)
-        from marlhf.models.tokenizer import word_start_table
 
         self.table = word_start_table(tokenizer)  # (V,) bool: the token starts a word
 
