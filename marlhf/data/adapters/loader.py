@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import marlhf.data.adapters.files as files
-from marlhf.data import synthetic, synthetic_code
 from marlhf.data.adapters.rows import (
     DroppedRow,
     anthropic_hh_row,
@@ -44,7 +43,6 @@ from marlhf.data.adapters.rows import (
 )
 from marlhf.data.records import BadRowPolicy, DataError, Record, bad_rows_note
 from marlhf.errors import ConfigError
-from marlhf.utils.cache import default_home
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +343,7 @@ def _load_synthetic(options_text: str, split: str, drops: Counter) -> list[Recor
     """The embedded task.  The test split is generated from seed + SYNTHETIC_TEST_SEED_OFFSET, and any test
     record whose prompt also occurs in train (possible by chance) is dropped and counted."""
     # lazy: the generator is only needed for this source
+    from marlhf.data import synthetic
 
     cfg = synthetic.SyntheticConfig(**parse_synthetic_options(options_text, synthetic.SyntheticConfig))
     if split == "train":
@@ -365,6 +364,8 @@ def synthetic_records(cfg) -> list[Record]:
     gold-scoring 4,000 pairs takes seconds, and steps 2 and 3 each read train and test.  The file is keyed
     by the settings and the generator's source, so a changed generator never reads old records; a home
     that cannot be written to only costs the time, and a generator with no source file is not cached."""
+    from marlhf.data import synthetic
+    from marlhf.utils.cache import default_home
 
     if not getattr(synthetic, "__file__", None):
         return list(synthetic.generate(cfg))
@@ -386,6 +387,7 @@ def synthetic_records(cfg) -> list[Record]:
 
 def _load_synthetic_code(options_text: str) -> list[Record]:
     """The generated code task (train only: the caller holds out part of it for evaluation)."""
+    from marlhf.data import synthetic_code
 
     options = parse_synthetic_options(options_text, synthetic_code.SyntheticCodeConfig)
     return synthetic_code.generate(synthetic_code.SyntheticCodeConfig(**options))
