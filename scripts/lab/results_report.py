@@ -108,8 +108,10 @@ def _parity_cell(row: dict, key: str) -> str:
 
 
 def _time_cell(row: dict, key: str) -> str:
-    v = row.get(f"time_parity_{key}")
-    return "–" if isinstance(v, float) and math.isnan(v) else _parity(v) if f"time_parity_{key}" in row else "–"
+    if f"time_parity_{key}" not in row:  # PPO did not improve: parity undefined
+        return "–"
+    v = row[f"time_parity_{key}"]
+    return "–" if isinstance(v, float) and math.isnan(v) else _parity(v)  # nan: step times not recorded
 
 
 def plot_curves(results: dict[str, VariantResult], path: Path, title: str) -> Path:
