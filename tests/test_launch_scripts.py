@@ -536,11 +536,15 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert (rm.likelihood_term, rm.learning_rate) == (True, 1e-4)
     _, plain = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_TERM="0")
     assert (plain.likelihood_term, plain.learning_rate) == (False, 5e-4)
-    # the term sums log p by default; LIKELIHOOD_NORM=mean averages it
-    assert rm.likelihood_norm == "sum"
-    _, mean = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_NORM="mean", LIKELIHOOD_SCALE="45")
-    assert (mean.likelihood_term, mean.likelihood_norm, mean.likelihood_scale) == (True, "mean", 45.0)
-    assert rm.likelihood_scale == 1.0
+    # the term averages log p over the answer, starting at α = 45 (about the answers' length, so on the sum's
+    # scale); LIKELIHOOD_NORM=sum LIKELIHOOD_SCALE=1 is the plain sum
+    assert (rm.likelihood_norm, rm.likelihood_scale) == ("mean", 45.0)
+    _, total = launch_and_parse(script(2, f"tiny/{name}"), tmp_path, LIKELIHOOD_NORM="sum", LIKELIHOOD_SCALE="1")
+    assert (total.likelihood_term, total.likelihood_norm, total.likelihood_scale) == (True, "sum", 1.0)
+    # step 1 decays the weights (1.0, AdamW's decoupled decay); WEIGHT_DECAY overrides it; step 2 does not decay
+    assert (sft.weight_decay, rm.weight_decay) == (1.0, 0.0)
+    _, plain_sft = launch_and_parse(script(1, f"tiny/{name}"), tmp_path, WEIGHT_DECAY="0.0")
+    assert plain_sft.weight_decay == 0.0
     # step 3: the step-1/2 outputs, short prompts and answers, 16 prompts per PPO step
     assert (ppo.actor_model_name_or_path, ppo.critic_model_name_or_path) == \
         (f"./output/{root}/step1", f"./output/{root}/step2")
@@ -556,11 +560,13 @@ def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(em
     """tests/test_gold_rl.py starts its RL runs from the SFT model the sweep recorded (docs/results/runs/base/
     step1, the quick start's step 1 at seed 1234) instead of training it again (~7 minutes on 2 CPU cores):
     that model must be what the current tiny step-1 script trains.  When this fails, re-record it with
-    ``marlhf quickstart --step 1`` (or a new sweep) and copy the step-1 folder there."""
+    ``marlhf quickstart --step 1`` (or a new sweep) and copy the step-1 folder there.  The recorded sweep predates
+    the script's weight decay (1.0 since the main job adopted it): its SFT is the script with WEIGHT_DECAY=0.0,
+    which every recorded run of docs/results.md started from."""
     from transformers import AutoTokenizer
 
     recorded = json.loads((RECORDED_SFT / "args.json").read_text())
-    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path)
+    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, WEIGHT_DECAY="0.0")
     keys = ("data_path", "data_split", "eval_fraction", "model_name_or_path", "num_train_epochs", "max_steps",
             "learning_rate", "lr_scheduler_type", "warmup_ratio", "num_warmup_steps", "weight_decay",
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_len", "seed", "dtype",

@@ -36,6 +36,7 @@ GRADIENT_CHECKPOINTING=0   # 1 from 7B
 OFFLOAD=0                  # 1 at 27B: ZeRO-3 CPU offload (step 3: of the frozen reference model too)
 DTYPE=bf16
 WARMUP_RATIO=0.1           # steps 1-2
+WEIGHT_DECAY=0.0           # steps 1-2: --weight_decay (AdamW's decoupled decay)
 MAX_EVAL_SAMPLES=""        # "" = main.py's default
 MAX_STEPS=""               # step 3; "" = no cap
 TEMPERATURE=0.8            # step 3 sampling: Table 5's text tasks (top-p is 1.0 everywhere)
@@ -201,7 +202,7 @@ supervised_flags() {
     FLAGS+=(--max_seq_len $((PROMPT_LEN + ANSWER_LEN)))
     if [[ -n "$MAX_EVAL_SAMPLES" ]]; then FLAGS+=(--max_eval_samples "$MAX_EVAL_SAMPLES"); fi
     FLAGS+=(--per_device_train_batch_size "$PER_DEVICE" --per_device_eval_batch_size "$PER_DEVICE"
-            --gradient_accumulation_steps "$GRAD_ACCUM" --learning_rate "$LR" --weight_decay 0.0
+            --gradient_accumulation_steps "$GRAD_ACCUM" --learning_rate "$LR" --weight_decay "$WEIGHT_DECAY"
             --num_train_epochs "$EPOCHS" --lr_scheduler_type "$LR_SCHEDULE" --warmup_ratio "$WARMUP_RATIO"
             --zero_stage "$ZERO_STAGE" --group_by_length)
     if (( OFFLOAD )); then FLAGS+=(--offload); fi

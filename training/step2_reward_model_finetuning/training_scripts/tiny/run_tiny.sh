@@ -16,15 +16,16 @@
 #   PER_DEVICE_BATCH  pairs per rank per micro-batch (default 8); accumulation keeps the global batch 16
 #   LIKELIHOOD_TERM   1 (default) adds α·Σ log p(answer) under the SFT model's next-token head to the score
 #                     (--likelihood_term); 0 = the score head alone, DeepSpeed-Chat's reward model
-#   LIKELIHOOD_NORM   sum (default) or mean: the term as α times the mean log p of the answer's tokens
+#   LIKELIHOOD_NORM   mean (default) or sum: the term as α times the mean log p of the answer's tokens
 #                     (--likelihood_norm; the sum scores a shorter answer higher by its length alone)
-#   LIKELIHOOD_SCALE  α at the start (default 1; --likelihood_scale)
+#   LIKELIHOOD_SCALE  α at the start (default 45, about the answers' length in tokens, so the mean term
+#                     starts on the sum's scale; --likelihood_scale)
 #   and those of every script (HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
 #   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
 likelihood_term=${LIKELIHOOD_TERM:-1}  # read before the common file resets the knobs
-likelihood_norm=${LIKELIHOOD_NORM:-sum}
-likelihood_scale=${LIKELIHOOD_SCALE:-1}
+likelihood_norm=${LIKELIHOOD_NORM:-mean}
+likelihood_scale=${LIKELIHOOD_SCALE:-45}
 # shellcheck source=SCRIPTDIR/../../../launch_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
