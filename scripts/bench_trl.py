@@ -21,8 +21,8 @@ Reported: the median over every timed step of every round, the spread of the per
 length (the two sides sample different answers, so seconds per 1,000 generated tokens too), and each
 configuration's ratio of medians to TRL's GRPO at the same β.
 
-    pip install trl==1.16.0           # not a dependency of the project: only this benchmark uses it
-    python scripts/convert_smollm2.py # once
+    pip install -r requirements-bench.txt   # TRL: not a dependency of the project, only of this benchmark
+    python scripts/convert_smollm2.py       # once
     python scripts/bench_trl.py [--rounds 4] [--steps 5] [--warmup 2] [--out docs/results/cost_vs_trl.json]
 """
 
@@ -235,8 +235,8 @@ def main() -> None:
         try:
             import trl  # noqa: F401
         except ImportError:
-            raise SystemExit("TRL is not installed: pip install trl==1.16.0 (only this benchmark needs it), or "
-                             "pass --configs without the trl_* ones") from None
+            raise SystemExit("TRL is not installed: pip install -r requirements-bench.txt (only this benchmark "
+                             "needs it), or pass --configs without the trl_* ones") from None
     import torch
     from lab.summary import machine
     from transformers import AutoTokenizer

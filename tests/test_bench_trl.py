@@ -67,7 +67,7 @@ def test_the_reward_is_the_same_for_both_call_shapes():
 def test_it_names_the_missing_trl_and_checks_its_own_flags(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
     monkeypatch.setattr(sys, "argv", ["bench_trl.py", "--configs", "ours_grpo", "trl_grpo"])
-    with pytest.raises(SystemExit, match="TRL is not installed: pip install trl"):
+    with pytest.raises(SystemExit, match="TRL is not installed: pip install -r requirements-bench.txt"):
         bench_trl.main()
     monkeypatch.setattr(sys, "argv", ["bench_trl.py", "--steps", "2", "--warmup", "2"])
     with pytest.raises(SystemExit):
