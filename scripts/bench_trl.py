@@ -8,7 +8,9 @@ batch.  The reward is a cheap Python function (:func:`word_count_reward`), the s
 timed is the engines' work.  Configurations (``--configs``):
 
   ours_grpo     ``marlhf ppo --advantage_estimator grpo``: K answers to one prompt, β = 0 (no reference forward)
-  ours_grpo_kl  the same at β = 0.05 (the KL in the reward: one reference forward)
+  ours_grpo_kl  the same at β = 0.05 with the KL in the reward (per token, DeepSpeed-Chat's): a reference forward,
+                and a policy forward before the update (the KL rewards need log π_old before it)
+  ours_grpo_kl_loss  β = 0.05 with the KL as a loss term (``--kl_penalty loss``, as TRL): the reference forward only
   ours_ma_ppo   MA-PPO over 5-grams with its critic (started from the same model): K prompts × 1 answer, β = 0.05
   trl_grpo      TRL's ``GRPOTrainer``, ``num_generations`` = K, β = 0 (no reference model)
   trl_grpo_kl   the same at β = 0.05 (the reference model's forward)
@@ -23,7 +25,8 @@ configuration's ratio of medians to TRL's GRPO at the same β.
 
     pip install -r requirements-bench.txt   # TRL: not a dependency of the project, only of this benchmark
     python scripts/convert_smollm2.py       # once
-    python scripts/bench_trl.py [--rounds 4] [--steps 5] [--warmup 2] [--out docs/results/cost_vs_trl.json]
+    python scripts/bench_trl.py [--rounds 4] [--steps 5] [--warmup 2] [--out docs/results/cost_vs_trl.json] \
+        [--report_only]
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 HH = Path(os.environ.get("MARLHF_SHARED", REPO.parent / "shared")) / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
-CONFIGS = ("ours_grpo", "ours_grpo_kl", "ours_ma_ppo", "trl_grpo", "trl_grpo_kl")
-BETA = {"ours_grpo": 0.0, "ours_grpo_kl": 0.05, "ours_ma_ppo": 0.05, "trl_grpo": 0.0, "trl_grpo_kl": 0.05}
+CONFIGS = ("ours_grpo", "ours_grpo_kl", "ours_grpo_kl_loss", "ours_ma_ppo", "trl_grpo", "trl_grpo_kl")
+BETA = {"ours_grpo": 0.0, "ours_grpo_kl": 0.05, "ours_grpo_kl_loss": 0.05, "ours_ma_ppo": 0.05, "trl_grpo": 0.0,
+        "trl_grpo_kl": 0.05}
 ASSISTANT = "\n\nAssistant:"
 
 
@@ -91,6 +95,8 @@ def run_ours(config: str, args, model: str, data: Path, out: Path) -> list[dict]
     else:
         own = ["--per_device_generation_batch_size", "1", "--advantage_estimator", "grpo",
                "--num_samples_per_prompt", str(K)]
+        if config == "ours_grpo_kl_loss":
+            own += ["--kl_penalty", "loss"]
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -205,9 +211,10 @@ def render(report: dict) -> str:
         lines.append(f"| {config} | {BETA[config]} | {r['median_seconds']:.2f} | "
                      f"{' / '.join(f'{m:.2f}' for m in r['round_medians'])} | {tokens} | {s1k} | {ratio} | "
                      f"{per_token} |")
-    lines += ["", "Ours at β = 0 skips the reference forward, and with one PPO epoch takes the old log-probabilities "
-              "from the update's own forward (as TRL does with `num_iterations = 1`). A ratio whose per-round "
-              "medians overlap TRL's is within noise.", ""]
+    lines += ["", "With one PPO epoch ours takes the old log-probabilities from the update's own forward (as TRL does "
+              "with `num_iterations = 1`) unless something reads them before the update: the KL in the reward "
+              "(`ours_grpo_kl`, `ours_ma_ppo`) does, so those run the policy's forward too; at β = 0 ours skips the "
+              "reference forward. A ratio whose per-round medians overlap TRL's is within noise.", ""]
     return "\n".join(lines)
 
 
@@ -225,10 +232,15 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct, converted)")
     ap.add_argument("--work", default="bench_results/trl", help="where the runs go")
     ap.add_argument("--out", default="bench_results/cost_vs_trl.json", help="JSON report (Markdown beside it)")
+    ap.add_argument("--report_only", action="store_true", help="rewrite the Markdown from the --out JSON")
     ap.add_argument("--trl_worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         return trl_worker(json.loads(args.trl_worker))
+    if args.report_only:
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
+        return print(out.with_suffix(".md").read_text())
     if args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     if any(c.startswith("trl") for c in args.configs):

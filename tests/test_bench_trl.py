@@ -3,9 +3,12 @@ refusal to start without TRL.  (The benchmark itself runs outside the suite: TRL
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import bench_trl
 import pytest
@@ -73,3 +76,40 @@ def test_it_names_the_missing_trl_and_checks_its_own_flags(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_trl.main()
     assert "leaves no timed step" in capsys.readouterr().err
+
+
+def test_our_configurations_run_the_flags_they_are_named_for(tmp_path, monkeypatch):
+    """Each of our configurations launches ``marlhf ppo`` with its own estimator, batch and KL placement, and
+    reads its steps back from the run's metrics (a fake run here: the command is recorded, not run)."""
+    seen = {}
+
+    def fake_run(cmd, stdout, stderr, env):
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        seen[out.name] = cmd
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+            {"step": 1, "train/step_seconds": 2.0, "train/gen_seconds": 1.0, "train/response_len": 40.0},
+            {"step": 1, "eval/gold_score": 0.5},
+            {"step": 2, "train/step_seconds": 3.0, "train/gen_seconds": 1.5, "train/response_len": 50.0}]))
+        assert env["OMP_NUM_THREADS"] == "2"
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_trl.subprocess, "run", fake_run)
+    args = argparse.Namespace(answers=8, prompt_len=128, answer_len=64, steps=2, seed=1, threads=2)
+    got = {c: bench_trl.run_ours(c, args, "MODEL", tmp_path / "p.jsonl", tmp_path / c)
+           for c in ("ours_grpo", "ours_grpo_kl", "ours_grpo_kl_loss", "ours_ma_ppo")}
+    assert got["ours_grpo"] == [{"seconds": 2.0, "gen_seconds": 1.0, "tokens": 320.0},
+                                {"seconds": 3.0, "gen_seconds": 1.5, "tokens": 400.0}]
+
+    def flag(config, name):
+        cmd = seen[config]
+        return cmd[cmd.index(name) + 1] if name in cmd else None
+
+    for config in ("ours_grpo", "ours_grpo_kl", "ours_grpo_kl_loss"):  # one prompt x 8 answers
+        assert (flag(config, "--advantage_estimator"), flag(config, "--num_samples_per_prompt"),
+                flag(config, "--per_device_generation_batch_size")) == ("grpo", "8", "1")
+    assert [flag(c, "--kl_ctl") for c in ("ours_grpo", "ours_grpo_kl", "ours_grpo_kl_loss")] == ["0.0", "0.05", "0.05"]
+    assert [flag(c, "--kl_penalty") for c in ("ours_grpo_kl", "ours_grpo_kl_loss")] == [None, "loss"]
+    # MA-PPO: 8 prompts x 1 answer, 5-grams, a critic from the same model
+    assert (flag("ours_ma_ppo", "--advantage_estimator"), flag("ours_ma_ppo", "--ngram"),
+            flag("ours_ma_ppo", "--per_device_generation_batch_size"),
+            flag("ours_ma_ppo", "--critic_model_name_or_path")) == (None, "5", "8", "MODEL")
