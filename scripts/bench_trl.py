@@ -76,6 +76,16 @@ def write_prompts(tokenizer, path: Path, count: int, max_tokens: int) -> int:
     return len(rows)
 
 
+def run_logged(config: str, cmd: list[str], out: Path, threads: int) -> None:
+    """One configuration's run in a process of its own with ``threads`` threads, its output in ``out``.log."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode:
+        raise SystemExit(f"{config} failed ({proc.returncode}): see {log}")
+
+
 # ------------------------------------------------------------------------------------------------ ours
 def run_ours(config: str, args, model: str, data: Path, out: Path) -> list[dict]:
     K = args.answers
@@ -97,13 +107,8 @@ def run_ours(config: str, args, model: str, data: Path, out: Path) -> list[dict]
                "--num_samples_per_prompt", str(K)]
         if config == "ours_grpo_kl_loss":
             own += ["--kl_penalty", "loss"]
-    log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "marlhf", "ppo", *common, *own], stdout=f,
-                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-    if proc.returncode:
-        raise SystemExit(f"{config} failed ({proc.returncode}): see {log}")
+    run_logged(config, [sys.executable, "-m", "marlhf", "ppo", *common, *own], out, args.threads)
     steps = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line) if line.strip() else {}
@@ -158,12 +163,7 @@ def run_trl(config: str, args, model: str, data: Path, out: Path) -> list[dict]:
     spec = {"model": model, "data": str(data), "answers": args.answers, "answer_len": args.answer_len,
             "beta": BETA[config], "steps": args.steps, "seed": args.seed, "threads": args.threads,
             "work": str(out), "out": str(out / "steps.json")}
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, __file__, "--trl_worker", json.dumps(spec)], stdout=f,
-                              stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-    if proc.returncode:
-        raise SystemExit(f"{config} failed ({proc.returncode}): see {log}")
+    run_logged(config, [sys.executable, __file__, "--trl_worker", json.dumps(spec)], out, args.threads)
     return json.loads((out / "steps.json").read_text())
 
 
