@@ -407,6 +407,15 @@ class RLHFArgs(BaseArgs):
                              "(--reward_url). The last three need no reward model: the critic starts from the "
                              "actor unless --critic_model_name_or_path is given.",
                              choices=("reward_model", "rm", "gold", "program_tests", "python", "remote"))
+    reward_ensemble: list[str] = opt([], "More reward models (step-2 outputs, e.g. other seeds) scoring beside the "
+                                     "main one (--reward_model_name_or_path, else the critic's init); the reward is "
+                                     "their --reward_ensemble_reduce (a conservative reward against over-"
+                                     "optimisation, Coste et al. 2023). The held-out evaluation reports it as "
+                                     "ensemble_score beside the main model's rm_score.")
+    reward_ensemble_reduce: str = opt("mean_minus_std", "How --reward_ensemble's scores combine: mean_minus_std "
+                                      "(mean - --reward_ensemble_std_coef x std over the models), mean, or min.",
+                                      choices=("mean_minus_std", "mean", "min"))
+    reward_ensemble_std_coef: float = opt(1.0, "k of mean_minus_std.")
     reward_workers: int = opt(1, "program_tests: worker processes running the programs of a batch in parallel "
                               "(results do not depend on it).")
     reward_function: str = opt("", "python: the reward function, FILE.py:NAME (a path from the working directory) "
@@ -494,6 +503,15 @@ class RLHFArgs(BaseArgs):
                              ("reward_retries", "remote")):
             if getattr(self, flag) != defaults[flag] and self.reward_source != source:
                 raise ConfigError(f"--{flag} is for --reward_source {source}, not {self.reward_source}")
+        if self.reward_ensemble and self.reward_source != "reward_model":
+            raise ConfigError(f"--reward_ensemble combines reward models: it needs --reward_source reward_model, "
+                              f"not {self.reward_source}")
+        for flag in ("reward_ensemble_reduce", "reward_ensemble_std_coef"):
+            if getattr(self, flag) != defaults[flag] and not self.reward_ensemble:
+                raise ConfigError(f"--{flag} needs --reward_ensemble (the other reward models to combine)")
+        if not (self.reward_ensemble_std_coef >= 0 and math.isfinite(self.reward_ensemble_std_coef)):
+            raise ConfigError(f"--reward_ensemble_std_coef must be a finite number >= 0, got "
+                              f"{self.reward_ensemble_std_coef}")
         if self.reward_source == "python":
             if not self.reward_function:
                 raise ConfigError("--reward_source python needs --reward_function FILE.py:NAME or "

@@ -1,6 +1,7 @@
 """Reward sources: one interface, ``score(prompts, responses, meta) -> scores``, behind ``--reward_source``.
 
     reward_model   the step-2 reward model (step 3: the frozen reward engine)    :class:`RewardModelSource`
+                   or several, combined conservatively (``--reward_ensemble``)   :class:`RewardEnsembleSource`
     gold           the embedded task's gold scorer (facts from ``meta``)         :class:`~.tasks.GoldScorer`
     program_tests  generated programs run against the problem's unit tests      :class:`~.ProgramTestReward`
                    in a sandbox (paper App. B.5; :mod:`marlhf.code.reward`)
@@ -76,6 +77,46 @@ class RewardModelSource:
                            batch_size=self.batch_size)
 
 
+ENSEMBLE_REDUCTIONS = ("mean_minus_std", "mean", "min")
+
+
+def ensemble_reward(scores: torch.Tensor, reduce: str = "mean_minus_std", std_coef: float = 1.0) -> torch.Tensor:
+    """(B,) reward of an ensemble from its members' (M, B) scores (Coste et al. 2023, "Reward model ensembles
+    help mitigate overoptimization"): ``mean``; ``min`` (worst case); ``mean_minus_std``: the mean less
+    ``std_coef`` times the members' standard deviation (over the M members, population form: one member has
+    std 0), so an answer the members disagree on — where a proxy is least to be trusted — scores lower."""
+    if scores.dim() != 2 or scores.shape[0] < 1:
+        raise ValueError(f"ensemble scores must be (members, batch), got shape {tuple(scores.shape)}")
+    if reduce == "mean":
+        return scores.mean(0)
+    if reduce == "min":
+        return scores.min(0).values
+    if reduce == "mean_minus_std":
+        return scores.mean(0) - std_coef * scores.std(0, correction=0)
+    raise ValueError(f"unknown ensemble reduction {reduce!r}; choose from {', '.join(ENSEMBLE_REDUCTIONS)}")
+
+
+class RewardEnsembleSource:
+    """Reward source ``reward_model`` with ``--reward_ensemble``: several reward models score each answer and
+    :func:`ensemble_reward` combines their scores.  ``members``: :class:`RewardModelSource` objects (the main
+    reward model first)."""
+
+    def __init__(self, members: Sequence[RewardModelSource], reduce: str = "mean_minus_std", std_coef: float = 1.0):
+        if len(members) < 2:
+            raise ValueError(f"an ensemble needs at least 2 reward models, got {len(members)}")
+        self.members, self.reduce, self.std_coef = list(members), reduce, std_coef
+
+    @torch.no_grad()
+    def score_sequences(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+        scores = torch.stack([m.score_sequences(seq, attention_mask, prompt_width).float() for m in self.members])
+        return ensemble_reward(scores, self.reduce, self.std_coef)
+
+    def score(self, prompts, responses, meta=None, *, ended=None) -> list[float]:
+        scores = torch.tensor([m.score(prompts, responses, meta, ended=ended) for m in self.members],
+                              dtype=torch.float32)
+        return ensemble_reward(scores, self.reduce, self.std_coef).tolist()
+
+
 def metas_for(meta: Sequence[dict] | None, n: int) -> list[dict]:
     """``meta`` as a list of ``n`` dicts (empty ones when the data carries none)."""
     if meta is None:
@@ -97,8 +138,10 @@ def score_samples(source, tokenizer, s: Samples, meta: Sequence[dict] | None = N
 
 
 def build_reward_source(name: str, *, reward_model=None, task=None, workers: int = 1, function: str = "",
-                        url: str = "", timeout: float = 60.0, retries: int = 3):
-    """The ``--reward_source`` of step 3: ``reward_model`` (the frozen reward engine), ``gold`` (the gold scorer
+                        url: str = "", timeout: float = 60.0, retries: int = 3, ensemble: Sequence = (),
+                        ensemble_reduce: str = "mean_minus_std", ensemble_std_coef: float = 1.0):
+    """The ``--reward_source`` of step 3: ``reward_model`` (the frozen reward engine; with ``ensemble``, more
+    frozen reward models, the combination of all of them by ``ensemble_reduce``), ``gold`` (the gold scorer
     of ``task``, a :class:`marlhf.tasks.Task`: the embedded task has one), ``program_tests`` (the sandboxed unit
     tests in each record's meta), ``python`` (the ``function`` spec, imported now so a bad one fails before
     training) or ``remote`` (the server at ``url``, with ``timeout`` seconds per attempt and ``retries``
@@ -108,7 +151,13 @@ def build_reward_source(name: str, *, reward_model=None, task=None, workers: int
         if reward_model is None:
             raise ConfigError("--reward_source reward_model needs a reward model (--critic_model_name_or_path or "
                               "--reward_model_name_or_path)")
+        if ensemble:
+            return RewardEnsembleSource([RewardModelSource(m) for m in (reward_model, *ensemble)], ensemble_reduce,
+                                        ensemble_std_coef)
         return RewardModelSource(reward_model)
+    if ensemble:
+        raise ConfigError(f"--reward_ensemble combines reward models: it needs --reward_source reward_model, "
+                          f"not {name}")
     if name == "gold":
         gold = task.gold() if task is not None else None
         if gold is None:
@@ -147,8 +196,11 @@ def require_meta(items: list[dict], key: str, what: str) -> None:
 def evaluation_sources(reward_source: str, reward, reward_model=None, task=None) -> dict:
     """What step 3's held-out evaluation reports (name -> source): the reward model's score when there is
     one, the gold score on the embedded task, and the training reward when it needs no reward model (the
-    program tests as ``program``, the user's function or server as ``reward``: :data:`OWN_EVALUATION_NAMES`)."""
+    program tests as ``program``, the user's function or server as ``reward``: :data:`OWN_EVALUATION_NAMES`), and
+    an ensemble's combined reward as ``ensemble`` (``rm`` stays the main reward model's, comparable across runs)."""
     sources = {"rm": RewardModelSource(reward_model)} if reward_model is not None else {}
+    if isinstance(reward, RewardEnsembleSource):
+        sources["ensemble"] = reward
     if task is not None and (gold := task.gold()) is not None:
         sources["gold"] = gold
     if reward_source in OWN_EVALUATION_NAMES and reward is not None:

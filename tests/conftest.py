@@ -107,9 +107,10 @@ def deepspeed_cmd(num_gpus: int, port: int) -> list[str]:
     return [launcher, "--num_gpus", str(num_gpus), "--master_port", str(port)]
 
 
-def save_seeded_reward_model(out: Path) -> Path:
-    """The nano embedded model as a value model with a seeded N(0, 1) score head (scores of order 1), saved
-    in ``out`` as a step-2 output folder would be: a reward model for the scoring tools' tests."""
+def save_seeded_reward_model(out: Path, seed: int = 0, sign: float = 1.0) -> Path:
+    """The nano embedded model as a value model with a seeded N(0, 1) score head (scores of order 1; ``sign``
+    -1 negates it, so the model scores every sequence minus what ``sign`` 1 does), saved in ``out`` as a step-2
+    output folder would be: a reward model for the scoring tools' tests."""
     import torch
 
     from marlhf import embedded
@@ -119,8 +120,8 @@ def save_seeded_reward_model(out: Path) -> Path:
     tok = load_tokenizer(nano, "<|endoftext|>")
     model = load_value_model(nano, tok)
     with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g))
+        g = torch.Generator().manual_seed(seed)
+        model.score.weight.copy_(sign * torch.randn(model.score.weight.shape, generator=g))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

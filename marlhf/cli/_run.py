@@ -43,12 +43,15 @@ def start(args, model_flag: str, padding_side: str = "right", model: str | None 
     return Started(model, tokenizer, fmt, task)
 
 
-def reward_source(args, task: Task | None, reward_model=None):
-    """Step 3's ``--reward_source`` (and its flags) built (:func:`marlhf.rewards.build_reward_source`)."""
+def reward_source(args, task: Task | None, reward_model=None, ensemble=()):
+    """Step 3's ``--reward_source`` (and its flags) built (:func:`marlhf.rewards.build_reward_source`);
+    ``ensemble``: --reward_ensemble's other reward models, loaded."""
 
     return build_reward_source(args.reward_source, reward_model=reward_model, task=task, workers=args.reward_workers,
                                function=args.reward_function, url=args.reward_url, timeout=args.reward_timeout,
-                               retries=args.reward_retries)
+                               retries=args.reward_retries, ensemble=ensemble,
+                               ensemble_reduce=args.reward_ensemble_reduce,
+                               ensemble_std_coef=args.reward_ensemble_std_coef)
 
 
 def step3_context(args, started_actor: str, task: Task | None) -> dict:
@@ -75,5 +78,5 @@ def step3_trainer(args, actor: str, tokenizer, fmt: ConversationFormat, context:
                                      end_of_conversation_token=fmt.end_of_conversation_token)
     rlhf = build_rlhf_engine(models, args.engine("actor"), args.engine("critic"), sections.batches, tokenizer,
                              total_steps)
-    reward = reward if reward is not None else reward_source(args, task, rlhf.reward)
+    reward = reward if reward is not None else reward_source(args, task, rlhf.reward, rlhf.reward_ensemble)
     return MAPPOTrainer(rlhf, tokenizer, sections, reward=reward), rlhf.learning_rates

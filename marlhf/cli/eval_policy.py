@@ -37,7 +37,7 @@ def main(argv=None):
                 model=policy_folder(args.actor_model_name_or_path, "actor"))
     tokenizer, fmt = run.tokenizer, run.fmt
     rm_path = args.reward_model_name_or_path or args.critic_model_name_or_path
-    check_same_format(fmt, rm_path, args.ref_model_name_or_path)
+    check_same_format(fmt, rm_path, args.ref_model_name_or_path, *args.reward_ensemble)
     data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=3)
 
     # 2. the policy, the reference (for the KL) and the reward model, all frozen
@@ -50,9 +50,11 @@ def main(argv=None):
     ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0)) \
         if args.ref_model_name_or_path else None
     reward_model = frozen(load_reward_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
-    # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests / user's reward
-    reward = reward_source(args, run.task) \
-        if args.reward_source in OWN_EVALUATION_NAMES else None  # the other two are reported whenever available
+    ensemble = [frozen(load_reward_model(resolve_model_path(p), tokenizer, 0.0)) for p in args.reward_ensemble]
+    # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests / user's reward,
+    #    an ensemble's reward
+    reward = reward_source(args, run.task, reward_model, ensemble) \
+        if args.reward_source in OWN_EVALUATION_NAMES or ensemble else None  # rm and gold: whenever available
     sources = evaluation_sources(args.reward_source, reward, reward_model, run.task)
     generation = GenerationConfig.from_args(args, stop_token_ids(tokenizer, fmt.end_of_conversation_token),
                                             tokenizer.pad_token_id)

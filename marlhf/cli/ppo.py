@@ -38,7 +38,8 @@ def main(argv=None):
     tokenizer, fmt, task = run.tokenizer, run.fmt, run.task
     context = step3_context(args, run.model, task)
     record_run_context(args.output_dir, **context)
-    check_same_format(fmt, context["critic_model_name_or_path"], context["reward_model_name_or_path"])
+    check_same_format(fmt, context["critic_model_name_or_path"], context["reward_model_name_or_path"],
+                      *args.reward_ensemble)
     data_section = DataSection.from_args(args, fmt)
     data = build_phase_data(data_section, tokenizer, phase=3)
     if args.reward_source == "program_tests":  # each prompt's unit tests must have come through the cache

@@ -6,7 +6,7 @@ critic    = the step-2 reward model, trained as the value function (own ZeRO sta
             other than the reward model and no critic given, the SFT model with a fresh value head (B.5);
             None for the critic-free estimators (--advantage_estimator rloo / grpo / reinforce)
 reward    = the step-2 reward model, frozen (None when the reward comes from another source and no
-            --reward_model_name_or_path is given)
+            --reward_model_name_or_path is given); --reward_ensemble's other reward models beside it, frozen
 ema       = optional exponential moving average of the actor (a frozen engine updated after each step)
 """
 
@@ -49,6 +49,7 @@ class RLHFEngine:
     critic: object | None  # None: a critic-free estimator (nothing built, loaded or saved)
     reward: object | None  # None: the reward source is not the reward model
     ema: object | None = None
+    reward_ensemble: list = field(default_factory=list)  # --reward_ensemble's other frozen reward models
     learning_rates: dict = field(default_factory=dict)  # role -> peak learning rate in force (the run context's)
 
     def trainable(self) -> dict:
@@ -70,6 +71,7 @@ class ModelsSection:
     actor_path: str
     critic_path: str
     reward_path: str | None
+    reward_ensemble: tuple[str, ...]  # more reward models combined with the main one (--reward_ensemble)
     needs_critic: bool  # the advantage estimator trains a critic
     with_ptx: bool  # the actor takes a second micro-step per batch (the ptx loss)
     actor_dropout: float | None
@@ -99,6 +101,7 @@ class ModelsSection:
     def from_args(cls, args, *, actor_path: str, critic_path: str, reward_path: str | None,
                   end_of_conversation_token: str) -> ModelsSection:
         return cls(actor_path=actor_path, critic_path=critic_path, reward_path=reward_path,
+                   reward_ensemble=tuple(args.reward_ensemble),
                    needs_critic=estimator_class(args.advantage_estimator).needs_critic,
                    with_ptx=bool(args.unsupervised_dataset_name) and args.unsup_coef != 0,
                    actor_dropout=args.actor_dropout, critic_dropout=args.critic_dropout,
@@ -306,18 +309,24 @@ def build_rlhf_engine(models: ModelsSection, actor_section: EngineSection, criti
         critic_section = with_learning_rate(critic_section, critic)
         learning_rates["critic"] = critic_section.learning_rate
         critic = engine_from_section(critic, critic_section, critic_total, mb)
-    # reward: frozen scorer (only when the reward source is the reward model, or one is given for the evaluation)
-    reward = None
-    if reward_path is not None:
-        reward_stage = frozen_zero_stage(models.critic_zero_stage, offload_frozen)
-        reward = frozen_engine(load_reward_model(resolve_model_path(reward_path), tokenizer, 0.0,
-                                                 **load_options(models.dtype, reward_stage, offload_frozen)),
-                               zero_stage=reward_stage, offload=offload_frozen, dtype=models.dtype)
+    # reward: frozen scorer (only when the reward source is the reward model, or one is given for the evaluation),
+    # and the ensemble's other members beside it
+    reward_stage = frozen_zero_stage(models.critic_zero_stage, offload_frozen)
+
+    def frozen_reward(path: str):
+        return frozen_engine(load_reward_model(resolve_model_path(path), tokenizer, 0.0,
+                                               **load_options(models.dtype, reward_stage, offload_frozen)),
+                             zero_stage=reward_stage, offload=offload_frozen, dtype=models.dtype)
+
+    reward = frozen_reward(reward_path) if reward_path is not None else None
+    ensemble = [frozen_reward(path) for path in models.reward_ensemble]
     log.info("RLHF engine: actor %s (ZeRO-%d), critic %s (ZeRO-%d), reward %s, EMA %s", actor_path,
              models.actor_zero_stage, critic_path if critic is not None else "none (a critic-free estimator)",
              models.critic_zero_stage, reward_path or f"none (--reward_source {models.reward_source})",
              models.enable_ema)
-    return RLHFEngine(actor, ref, critic, reward, ema, learning_rates)
+    if ensemble:
+        log.info("reward ensemble: %s and %s", reward_path, ", ".join(models.reward_ensemble))
+    return RLHFEngine(actor, ref, critic, reward, ema, ensemble, learning_rates)
 
 
 @torch.no_grad()
