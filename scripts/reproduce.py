@@ -156,19 +156,22 @@ def run_together(jobs: list[tuple[list[str], dict, Path]], dry: bool, lock: str 
 
 
 def base_models(args, root: Path) -> tuple[str, str, list[str]]:
-    """SFT and reward model paths, training them once (steps 1–2 of the quick start) unless given."""
+    """SFT and reward model paths, training them once (steps 1–2 of the quick start, the main job's: step 2 ends
+    with the reward model trained further on the SFT policy's answers) unless given.  ``--quick`` skips that
+    round (minutes of generation) and uses step 2's model."""
     base = root / "base"
     commands = []
+    rm = str(base / ("step2" if args.quick else "step2_onpolicy/reward_model"))
     if not (args.sft and args.rm):
-        extra = [f"--extra_args=--max_steps={QUICK_BASE_STEPS}"] if args.quick else []
+        extra = [f"--extra_args=--max_steps={QUICK_BASE_STEPS}", "--onpolicy_samples", "0"] if args.quick else []
         steps = [s for s, given in ((1, args.sft), (2, args.rm)) if not given]
         cmd = [sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(base), "--step", *map(str, steps),
-               *extra]
+               *(["--actor_model", args.sft] if args.sft else []), *extra]
         env = {"MODEL_PATH": args.sft} if args.sft else {}
         commands.append(shlex.join(["python", *cmd[1:]]))
         if not (base / "summary.json").exists() and not args.report_only:
             run(cmd, env, base / "step1" / "training.log", args.dry_run, args.lock)
-    return args.sft or str(base / "step1"), args.rm or str(base / "step2"), commands
+    return args.sft or str(base / "step1"), args.rm or rm, commands
 
 
 def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str, own: tuple[str, ...] = ()) -> tuple[list[str], dict]:

@@ -3,6 +3,7 @@ each step's output feeding the next (here with a few steps each; the quick start
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,8 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
 
 
 def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path, monkeypatch):
-    """When the main job trains the reward model on the policy's answers: between steps 2 and 3 of one
-    invocation (a new step 2 discards the old stage), reused by ``--step 3`` alone, never with --onpolicy_samples
+    """When the main job trains the reward model on the policy's answers: at the end of step 2 (a new step 2
+    discards the old stage), reused by ``--step 3`` alone (run first when missing), never with --onpolicy_samples
     0, --task or an explicit --reward_model; step 3's critic is then that reward model."""
     from marlhf.cli import quickstart
 
@@ -110,4 +111,9 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
                "keep", "--onpolicy_epochs", "3") == [(2, None), ("stage", 2, "disjoint", "keep", 3), (3, onpolicy_rm)]
     assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
     assert run("--onpolicy_samples", "0")[-1] == (3, str(root / "step2"))
+    # the stage ends step 2: steps 1-2 alone (the reproduction sweep's base) leave step 3's reward model
+    assert run("--step", "1", "2") == [(1, None), (2, None), ("stage", 4, "all", "drop", 1)]
+    assert run("--step", "3") == [(3, onpolicy_rm)]  # reused, not run again
+    shutil.rmtree(root / "step2_onpolicy")
+    assert run("--step", "3") == [("stage", 4, "all", "drop", 1), (3, onpolicy_rm)]  # missing: run first
     assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm")]

@@ -208,6 +208,23 @@ def test_the_full_sweeps_defaults_have_the_power_issue_30_asks_for():
     assert not set(args.tune_seeds) & set(args.seeds) and parse_args(["--quick"]).grid == [{}]
 
 
+def test_the_full_sweep_starts_from_the_main_jobs_reward_model(tmp_path):
+    """Its base is the main job's steps 1-2, step 2 ending with the reward model trained on the SFT policy's
+    answers, and that model is every run's reward; ``--quick`` skips the round and uses step 2's; given models
+    are used as they are, the SFT model also answering for the round."""
+    from reproduce import base_models, parse_args
+
+    sft, rm, cmds = base_models(parse_args(["--dry_run"]), tmp_path)
+    assert (sft, rm) == (str(tmp_path / "base/step1"), str(tmp_path / "base/step2_onpolicy/reward_model"))
+    assert "--step 1 2" in cmds[0] and "--onpolicy_samples" not in cmds[0]
+    sft, rm, cmds = base_models(parse_args(["--dry_run", "--quick"]), tmp_path)
+    assert rm == str(tmp_path / "base/step2") and "--onpolicy_samples 0" in cmds[0]
+    sft, rm, cmds = base_models(parse_args(["--dry_run", "--sft", "/m/sft"]), tmp_path)
+    assert sft == "/m/sft" and "--step 2 --actor_model /m/sft" in cmds[0]
+    given = parse_args(["--dry_run", "--sft", "/m/sft", "--rm", "/m/rm"])
+    assert base_models(given, tmp_path) == ("/m/sft", "/m/rm", [])
+
+
 def test_critic_free_variants_are_tuned_without_the_critics_flags():
     grid = sweep.parse_grid("actor_learning_rate=1e-5,3e-5 lam=0.95,1.0")
     assert sweep.variant_points(grid, "ppo") == grid
@@ -321,9 +338,15 @@ def test_records_keep_finished_runs_only_and_refuse_other_starting_weights(runs,
         (base / name / "training.log").write_text("long log")
     (base / "summary.json").write_text('{"seconds": {}}')
     assert records.keep_base(root, kept) == 5 and records.keep_base(root, kept) == 0
+    # the main job's reward model (step 2 trained further on the policy's answers) travels too when there is one
+    onpolicy = base / "step2_onpolicy"
+    model(onpolicy / "reward_model", b"on-policy rm weights")
+    (onpolicy / "pairs.jsonl").write_text("not kept")
+    assert records.keep_base(root, kept) == 2 and records.keep_base(root, kept) == 0
     assert not (kept / "base" / "step1" / "training.log").exists()
+    assert not (kept / "base" / "step2_onpolicy" / "pairs.jsonl").exists()
     assert records.restore_base(kept, fresh) and not records.restore_base(kept, fresh)
-    for name in ("step1", "step2"):
+    for name in ("step1", "step2", "step2_onpolicy/reward_model"):
         assert records.weights_digest(fresh / "base" / name) == records.weights_digest(base / name)
     assert (fresh / "base" / "summary.json").exists()
 

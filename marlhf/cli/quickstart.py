@@ -7,7 +7,7 @@ feeding the next.  The default runs the embedded tiny model on the synthetic tas
     marlhf quickstart
     marlhf quickstart --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
 
-On the embedded task, between steps 2 and 3, the reward model is trained further on preference pairs of
+On the embedded task, step 2 ends by training the reward model further on preference pairs of
 the SFT policy's own answers (``--onpolicy_samples`` answers to each of step 2's prompts, labelled by the
 task's gold scorer as a simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the
 distribution step 3 explores; trained on its synthetic pairs alone, the reward model does not hold there
@@ -58,8 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--ngram", default=None, help="Step-3 n of the fixed rule (1 = vanilla PPO).")
     p.add_argument("--onpolicy_samples", type=int, default=4,
                    help="Embedded task: SFT answers per step-2 prompt whose gold-labelled pairs (all K(K-1)/2 of "
-                        "them, ties dropped) train the reward model further before step 3 (0: off; ignored for "
-                        "--task).")
+                        "them, ties dropped) train the reward model further at the end of step 2 (0: off; ignored "
+                        "for --task).")
     p.add_argument("--onpolicy_max_prompts", type=int, default=0,
                    help="Of step 2's prompts, the first N answered for those pairs (0: all).")
     p.add_argument("--onpolicy_pairing", default="all", choices=("all", "disjoint"),
@@ -87,7 +87,8 @@ def script_for(step: int, size: str) -> Path:
 def uses_onpolicy(args) -> bool:
     """Whether step 3's reward model is the one trained on the policy's answers: on the embedded task only (its
     gold scorer is the annotator), unless turned off or an explicit reward model replaces step 2's.  The stage
-    runs when steps 2 and 3 run together; ``--step 3`` alone reuses its output."""
+    ends step 2 (so ``--step 1 2`` leaves the reward model step 3 uses); ``--step 3`` alone reuses its output,
+    or runs it when there is none."""
     return (args.onpolicy_samples > 0 and args.task is None and args.size.startswith("tiny")
             and args.reward_model is None)
 
@@ -244,19 +245,25 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     seconds = {}
     onpolicy = root / "step2_onpolicy"
+
+    def onpolicy_round():
+        print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by the "
+              f"gold scorer, the reward model trained further ({onpolicy})", flush=True)
+        t0 = time.time()
+        onpolicy_reward_model(Path(args.actor_model or root / "step1"), root / "step2", onpolicy, args.onpolicy_samples,
+                              max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
+                              ties=args.onpolicy_ties, epochs=args.onpolicy_epochs,
+                              rm_args=[a for arg in args.extra_args for a in arg.split("=", 1)])
+        seconds["step2_onpolicy"] = time.time() - t0
+
     for step in sorted(args.step):
         if step == 2 and onpolicy.exists():  # its pairs and reward model came from the step 2 being replaced
             shutil.rmtree(onpolicy)
-        if step == 3 and uses_onpolicy(args) and (2 in args.step or not onpolicy.exists()):
-            print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by the "
-                  f"gold scorer, the reward model trained further ({root / 'step2_onpolicy'})", flush=True)
-            t0 = time.time()
-            onpolicy_reward_model(root / "step1", root / "step2", root / "step2_onpolicy", args.onpolicy_samples,
-                                  max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
-                                  ties=args.onpolicy_ties, epochs=args.onpolicy_epochs,
-                                  rm_args=[a for arg in args.extra_args for a in arg.split("=", 1)])
-            seconds["step2_onpolicy"] = time.time() - t0
+        if step == 3 and uses_onpolicy(args) and not onpolicy.exists():  # --step 3 alone after a step 2 without it
+            onpolicy_round()
         seconds[step] = run_step(step, args, root)
+        if step == 2 and uses_onpolicy(args):
+            onpolicy_round()
     summary = summarize(root, seconds)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
