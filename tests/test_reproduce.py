@@ -338,17 +338,24 @@ def test_records_keep_finished_runs_only_and_refuse_other_starting_weights(runs,
         (base / name / "training.log").write_text("long log")
     (base / "summary.json").write_text('{"seconds": {}}')
     assert records.keep_base(root, kept) == 5 and records.keep_base(root, kept) == 0
-    # the main job's reward model (step 2 trained further on the policy's answers) travels too when there is one
+    assert not (kept / "base" / "step1" / "training.log").exists()
+    assert records.restore_base(kept, fresh) and not records.restore_base(kept, fresh)
+    for name in ("step1", "step2"):
+        assert records.weights_digest(fresh / "base" / name) == records.weights_digest(base / name)
+    assert (fresh / "base" / "summary.json").exists()
+    # with the main job's reward model (step 2's trained further on the policy's answers) that one travels
+    # instead of step 2's, without the round's data
     onpolicy = base / "step2_onpolicy"
     model(onpolicy / "reward_model", b"on-policy rm weights")
     (onpolicy / "pairs.jsonl").write_text("not kept")
-    assert records.keep_base(root, kept) == 2 and records.keep_base(root, kept) == 0
-    assert not (kept / "base" / "step1" / "training.log").exists()
-    assert not (kept / "base" / "step2_onpolicy" / "pairs.jsonl").exists()
-    assert records.restore_base(kept, fresh) and not records.restore_base(kept, fresh)
-    for name in ("step1", "step2", "step2_onpolicy/reward_model"):
-        assert records.weights_digest(fresh / "base" / name) == records.weights_digest(base / name)
-    assert (fresh / "base" / "summary.json").exists()
+    kept2, fresh2 = tmp_path / "kept2", tmp_path / "fresh2"
+    assert records.keep_base(root, kept2) == 5
+    assert sorted(p.relative_to(kept2).as_posix() for p in kept2.rglob("*") if p.is_file()) == [
+        "base/step1/config.json", "base/step1/model.safetensors", "base/step2_onpolicy/reward_model/config.json",
+        "base/step2_onpolicy/reward_model/model.safetensors", "base/summary.json"]
+    assert records.restore_base(kept2, fresh2)
+    assert records.weights_digest(fresh2 / "base/step2_onpolicy/reward_model") == records.weights_digest(
+        onpolicy / "reward_model") and not (fresh2 / "base/step2").exists()
 
 
 def table_rows(text: str) -> dict[str, list[str]]:

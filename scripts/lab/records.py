@@ -27,6 +27,12 @@ BASE_FILE = "base.json"
 BASE_MODELS = ("step1", "step2")  # the sweep's SFT and reward model under <root>/base
 # the main job's reward model, step 2's trained further on the SFT policy's answers (the full sweep's reward model)
 ONPOLICY_RM = "step2_onpolicy/reward_model"
+
+
+def base_folders(base: Path) -> tuple[str, str]:
+    """The model folders under ``base`` a sweep starts from: the SFT model and its reward model — step 2's trained
+    further on the policy's answers when there is one (step 2's own is then not needed), else step 2's."""
+    return BASE_MODELS[0], ONPOLICY_RM if (Path(base) / ONPOLICY_RM).is_dir() else BASE_MODELS[1]
 MODEL_FILES = ("config.json", "generation_config.json", "conversation_format.json", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "args.json", "metrics.jsonl")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -124,11 +130,11 @@ def restore(records: Path, out: Path, run_dirs: list[Path]) -> int:
 
 
 def keep_base(out: Path, records: Path) -> int:
-    """Copy the sweep's SFT and reward model folders (steps 1 and 2, and step 2's further-trained reward model
-    when there is one; weights, config, tokenizer, args, metrics; not logs) and
+    """Copy the sweep's SFT and reward model folders (:func:`base_folders`: weights, config, tokenizer, args,
+    metrics; not logs) and
     steps 1–2's ``summary.json`` from ``out/base`` into ``records/base``.  Returns the files written."""
     out, records, n = Path(out) / "base", Path(records) / "base", 0
-    for name in (*BASE_MODELS, *([ONPOLICY_RM] if (out / ONPOLICY_RM).is_dir() else [])):
+    for name in base_folders(out):
         src = out / name
         files = [p for p in sorted(src.iterdir()) if p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES)]
         for p in files:
@@ -146,9 +152,10 @@ def restore_base(records: Path, out: Path) -> bool:
     """Put the recorded SFT and reward model under ``out/base`` (with steps 1–2's summary, so they are not
     trained again) unless ``out/base`` has its own; True when restored."""
     src, dst = Path(records) / "base", Path(out) / "base"
-    if (dst / "summary.json").exists() or not all((src / m).is_dir() for m in BASE_MODELS):
+    models = base_folders(src)
+    if (dst / "summary.json").exists() or not all((src / m).is_dir() for m in models):
         return False
-    for m in (*BASE_MODELS, *([ONPOLICY_RM] if (src / ONPOLICY_RM).is_dir() else [])):
+    for m in models:
         for p in sorted((src / m).iterdir()):
             _copy(p, dst / m / p.name)
     if (src / "summary.json").exists():
