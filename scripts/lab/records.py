@@ -27,15 +27,15 @@ BASE_FILE = "base.json"
 BASE_MODELS = ("step1", "step2")  # the sweep's SFT and reward model under <root>/base
 # the main job's reward model, step 2's trained further on the SFT policy's answers (the full sweep's reward model)
 ONPOLICY_RM = "step2_onpolicy/reward_model"
+MODEL_FILES = ("config.json", "generation_config.json", "conversation_format.json", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "args.json", "metrics.jsonl")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 def base_folders(base: Path) -> tuple[str, str]:
     """The model folders under ``base`` a sweep starts from: the SFT model and its reward model — step 2's trained
     further on the policy's answers when there is one (step 2's own is then not needed), else step 2's."""
     return BASE_MODELS[0], ONPOLICY_RM if (Path(base) / ONPOLICY_RM).is_dir() else BASE_MODELS[1]
-MODEL_FILES = ("config.json", "generation_config.json", "conversation_format.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "args.json", "metrics.jsonl")
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 class RecordsMismatch(RuntimeError):
@@ -131,8 +131,8 @@ def restore(records: Path, out: Path, run_dirs: list[Path]) -> int:
 
 def keep_base(out: Path, records: Path) -> int:
     """Copy the sweep's SFT and reward model folders (:func:`base_folders`: weights, config, tokenizer, args,
-    metrics; not logs) and
-    steps 1–2's ``summary.json`` from ``out/base`` into ``records/base``.  Returns the files written."""
+    metrics; not logs) and steps 1–2's ``summary.json`` from ``out/base`` into ``records/base``.  Returns the
+    files written."""
     out, records, n = Path(out) / "base", Path(records) / "base", 0
     for name in base_folders(out):
         src = out / name
