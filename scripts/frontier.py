@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
 
-from lab.summary import machine, mean_se
+from lab.frontier import ROW_KEYS, frontier_rows, gold_at_kl, peak, plot, sqrt_kl
+from lab.summary import machine
 
 from marlhf.cli.quickstart import marlhf_cmd, run_logged
 
@@ -46,71 +46,15 @@ def run_points(run: Path) -> list[dict]:
     return points
 
 
-def sqrt_kl(kl: float) -> float:
-    """√KL, the x axis; a Monte-Carlo KL estimate a hair below 0 (the SFT policy itself) counts as 0."""
-    return math.sqrt(max(kl, 0.0))
-
-
 def aggregate(runs: list[list[dict]]) -> list[dict]:
     """Seeds of one method, point by point (the same evaluation steps in every run): per step the mean over
-    seeds of √KL, gold and RM score, with their standard errors over seeds."""
+    seeds of √KL, gold and RM score, with their standard errors over seeds (:func:`lab.frontier.frontier_rows`)."""
     steps = [p["step"] for p in runs[0]]
     for points in runs[1:]:
         if [p["step"] for p in points] != steps:
             raise ValueError(f"runs evaluated at different steps: {steps} vs {[p['step'] for p in points]}")
-    rows = []
-    for i, step in enumerate(steps):
-        row = {"step": step, "seeds": len(runs)}
-        for key, values in (("sqrt_kl", [sqrt_kl(r[i]["kl"]) for r in runs]),
-                            ("gold_score", [r[i]["gold_score"] for r in runs]),
-                            ("rm_score", [r[i]["rm_score"] for r in runs]),
-                            ("gold_invented", [r[i]["gold_invented"] for r in runs]),
-                            ("gold_repeated", [r[i]["gold_repeated"] for r in runs])):
-            row[key], row[key + "_se"] = mean_se(values)
-        rows.append(row)
-    return rows
-
-
-def peak(rows: list[dict]) -> dict:
-    """The point of highest mean gold score (the first of equals)."""
-    return max(rows, key=lambda r: (r["gold_score"], -r["step"]))
-
-
-def gold_at_kl(rows: list[dict], budget: float) -> float | None:
-    """Mean gold score where the mean √KL first reaches ``budget``, linearly interpolated between the two
-    evaluations around it; None when the method never gets that far."""
-    for a, b in zip(rows, rows[1:], strict=False):
-        if a["sqrt_kl"] <= budget <= b["sqrt_kl"] and b["sqrt_kl"] > a["sqrt_kl"]:
-            t = (budget - a["sqrt_kl"]) / (b["sqrt_kl"] - a["sqrt_kl"])
-            return a["gold_score"] + t * (b["gold_score"] - a["gold_score"])
-    return rows[0]["gold_score"] if budget == rows[0]["sqrt_kl"] else None
-
-
-def plot(curves: dict[str, list[dict]], path: Path, per_seed: dict[str, list[list[dict]]] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for i, (name, rows) in enumerate(curves.items()):
-        x = [r["sqrt_kl"] for r in rows]
-        color = f"C{i}"
-        for ax, key in zip(axes, ("gold_score", "rm_score"), strict=True):
-            ax.errorbar(x, [r[key] for r in rows], yerr=[r[key + "_se"] if r["seeds"] > 1 else 0 for r in rows],
-                        marker="o", markersize=3, capsize=2, label=f"{name}, mean of seeds", color=color)
-            for points in (per_seed or {}).get(name, []):  # each seed: the mean hides seeds that diverge
-                ax.plot([sqrt_kl(p["kl"]) for p in points], [p[key] for p in points], color=color, alpha=0.35,
-                        linewidth=0.8, marker=".", markersize=2)
-    for ax, title in zip(axes, ("held-out gold score", "reward-model score (the proxy)"), strict=True):
-        ax.set_xlabel("√KL(π ‖ π_SFT) per answer (nats^½)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    keys = ("kl", *ROW_KEYS)
+    return frontier_rows({k: {step: [r[i][k] for r in runs] for i, step in enumerate(steps)} for k in keys})
 
 
 def write_report(curves: dict[str, list[dict]], settings: dict, path: Path,

@@ -19,20 +19,24 @@ from lab.results_report import summary_table, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student-t 97.5% quantile, 2 degrees of freedom (tables)
+T975_DF1 = 12.706204736174696  # and 1 degree of freedom
 
 
 def fake_run(out: Path, steps: int, curve: dict[int, float], rm: float, seed_kl: float,
-             step_seconds: float | None = None) -> None:
+             step_seconds: float | None = None, held_out_kl: dict[int, float] | None = None) -> None:
     """A finished step-3 run folder as step 3 writes it: gold_score curve at the given steps (and each step's
-    wall time, ``step_seconds`` x the step's number, when given)."""
+    wall time, ``step_seconds`` x the step's number, when given; the held-out KL at the same steps, when given)."""
     out.mkdir(parents=True)
-    final = {"gold_score": curve[steps], "rm_score": rm, "response_len": 40.0, "eos_rate": 1.0}
+    kl = (lambda s: {"kl": held_out_kl[s]}) if held_out_kl else (lambda s: {})
+    final = {"gold_score": curve[steps], "rm_score": rm, "response_len": 40.0, "eos_rate": 1.0, **kl(steps)}
     (out / "summary.json").write_text(json.dumps({"steps": steps, "initial_policy": {
-        "gold_score": curve[0], "rm_score": 0.0, "response_len": 45.0, "eos_rate": 1.0}, "final_policy": final}))
+        "gold_score": curve[0], "rm_score": 0.0, "response_len": 45.0, "eos_rate": 1.0, **kl(0)},
+        "final_policy": final}))
     rows = [{"step": s, "train/kl": seed_kl * s, "train/reward": 0.1,
              **({} if step_seconds is None else {"train/step_seconds": step_seconds * s})}
             for s in range(1, steps + 1)]
-    rows += [{"step": s, "eval/gold_score": v, "eval/rm_score": 0.5} for s, v in curve.items() if 0 < s < steps]
+    rows += [{"step": s, "eval/gold_score": v, "eval/rm_score": 0.5, **{f"eval/{k}": x for k, x in kl(s).items()}}
+             for s, v in curve.items() if 0 < s < steps]
     (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
@@ -168,6 +172,45 @@ def test_report_table_equals_the_runs(runs, tmp_path):
     assert "reached PPO's final gold_score at 0.50 of PPO's steps — faster as claimed" in text
     saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text())
     assert saved["tables"]["gold"][1]["gold_score"]["per_seed"] == [n5[s][8] for s in (1, 2, 3)]
+
+
+def test_reward_at_equal_kl_interpolates_each_seed_at_the_budget_every_seed_reached(tmp_path):
+    """The frontier section: the budget is the largest √KL every seed of every variant reached (here n5 seed 1's
+    final √1.96 = 1.4); each seed's gold there is read off its own curve by linear interpolation in √KL,
+    by hand below, and the report's cell is their mean ± the Student-t half-width."""
+    gold = {"ppo": {1: {0: 0.1, 4: 0.3, 8: 0.5}, 2: {0: 0.1, 4: 0.2, 8: 0.6}},
+            "n5": {1: {0: 0.1, 4: 0.5, 8: 0.7}, 2: {0: 0.1, 4: 0.6, 8: 0.65}}}
+    kl = {"ppo": {1: {0: 0.0, 4: 1.0, 8: 4.0}, 2: {0: 0.0, 4: 0.25, 8: 2.25}},
+          "n5": {1: {0: 0.0, 4: 0.64, 8: 1.96}, 2: {0: 0.0, 4: 1.44, 8: 3.24}}}
+    for variant in gold:
+        for seed in (1, 2):
+            fake_run(tmp_path / "runs" / "gold" / variant / f"seed{seed}", 8, gold[variant][seed], rm=0.0,
+                     seed_kl=0.01, held_out_kl=kl[variant][seed])
+    results = sweep.collect(sweep.plan(tmp_path / "runs", ["gold"], ["ppo", "n5"], [1, 2]))
+    report = write_report(tmp_path / "docs" / "results.md", results,
+                          settings={"seeds": [1, 2], "steps": 8, "eval_interval": 4, "eval_samples": 8,
+                                    "rewards": ["gold"]}, commands=["cmd"], missing=[], unavailable={},
+                          invocation="test")
+    # √KL segments around 1.4: ppo 1: 1 -> 2 (0.3 -> 0.5), ppo 2: 0.5 -> 1.5 (0.2 -> 0.6),
+    # n5 1: its final point, n5 2: 1.2 -> 1.8 (0.6 -> 0.65)
+    hand = {"ppo": [0.3 + 0.4 * 0.2, 0.2 + 0.9 * 0.4], "n5": [0.7, 0.6 + (0.2 / 0.6) * 0.05]}
+    saved = json.loads((tmp_path / "docs" / "results" / "results.json").read_text())["frontier"]["gold"]
+    assert saved["ppo"]["budget"] == pytest.approx(1.4)
+    text = report.read_text()
+    assert "| variant | gold at √KL 1.40 |" in text
+    assert (tmp_path / "docs" / "results" / "frontier_gold.png").stat().st_size > 1000
+    for variant, label in (("ppo", "PPO (n = 1)"), ("n5", "MA-PPO n = 5")):
+        at = saved[variant]["gold_at_budget"]
+        assert at["per_seed"] == pytest.approx(hand[variant])
+        mean = sum(hand[variant]) / 2
+        half = T975_DF1 * abs(hand[variant][0] - hand[variant][1]) / 2  # sd / √2 = |a - b| / 2 for two seeds
+        assert (at["mean"], at["ci95"]) == (pytest.approx(mean), pytest.approx(half))
+        # the mean curve: √KL and gold averaged over seeds at each evaluation; the final row closes the table
+        last = saved[variant]["rows"][-1]
+        assert last["sqrt_kl"] == pytest.approx(sum(math.sqrt(kl[variant][s][8]) for s in (1, 2)) / 2)
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} | {mean:.3f}"))
+        assert row.split("|")[2].strip() == f"{mean:.3f} ± {half:.3f}"
+        assert row.split("|")[-2].strip() == f"{last['sqrt_kl']:.2f}"
 
 
 def test_parity_is_undefined_when_ppo_did_not_improve(tmp_path):

@@ -1,4 +1,5 @@
-"""Small pieces the result scripts share: a mean with its standard error, and the machine a number came from."""
+"""Small pieces the result scripts share: a mean with its standard error, the machine a number came from, and a
+figure written to its file."""
 
 from __future__ import annotations
 
@@ -20,3 +21,16 @@ def machine() -> str:
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
              if line.startswith("model name")]
     return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def save_figure(fig, path: Path, title: str | None = None) -> Path:
+    """``fig`` (matplotlib) titled, laid out and written to ``path`` (its folder made), then closed."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
