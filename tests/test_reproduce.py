@@ -211,6 +211,10 @@ def test_reward_at_equal_kl_interpolates_each_seed_at_the_budget_every_seed_reac
         row = next(line for line in text.splitlines() if line.startswith(f"| {label} | {mean:.3f}"))
         assert row.split("|")[2].strip() == f"{mean:.3f} ± {half:.3f}"
         assert row.split("|")[-2].strip() == f"{last['sqrt_kl']:.2f}"
+    # n5 0.658 ± 0.537 against PPO 0.470 ± 1.143 (two seeds): the intervals overlap, no claim either way
+    n5, ppo = (saved[v]["gold_at_budget"] for v in ("n5", "ppo"))
+    assert (f"- **gold reward, MA-PPO n = 5 at equal KL** (√KL 1.40): gold {n5['mean']:.3f} ± {n5['ci95']:.3f} vs "
+            f"PPO {ppo['mean']:.3f} ± {ppo['ci95']:.3f} — within the intervals.") in text
 
 
 def test_parity_is_undefined_when_ppo_did_not_improve(tmp_path):

@@ -319,6 +319,7 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
     if real is not None:
         lines += real_section(real)
     lines += ["## The paper's claims at this scale", ""] + (claims(tables) or ["- No finished runs."])
+    lines += equal_kl_claims(frontiers)
     lines += baseline_claims(tables, dpo_rows) + [""]
     if missing or unavailable:
         lines += ["## Not in this report", ""]
@@ -433,6 +434,27 @@ def dpo_section(dpo: dict, rows: list[dict] | None) -> list[str]:
         lines.append("| " + " | ".join([r["label"], *(_fmt(r.get(k)) for k in DPO_KEYS),
                                          _fmt(r.get("implicit_accuracy"))]) + " |")
     return lines + [""]
+
+
+def equal_kl_claims(frontiers: dict[str, dict]) -> list[str]:
+    """Each macro-action variant against PPO at the same divergence from the SFT policy (the frontier's common
+    budget), per reward setting: higher or lower only when the 95% intervals over seeds are apart."""
+    out = []
+    for reward, table in frontiers.items():
+        base = table.get(BASELINE)
+        if base is None:
+            continue
+        b = base["gold_at_budget"]
+        for name, v in table.items():
+            if name == BASELINE:
+                continue
+            m = v["gold_at_budget"]
+            order = ci_order(m, b)
+            verdict = ("higher, intervals apart" if order > 0 else "lower, intervals apart" if order < 0 else
+                       "within the intervals")
+            out.append(f"- **{reward} reward, {v['label']} at equal KL** (√KL {v['budget']:.2f}): gold {_fmt(m)} vs "
+                       f"PPO {_fmt(b)} — {verdict}.")
+    return out
 
 
 def baseline_claims(tables: dict[str, list[dict]], dpo_rows: list[dict] | None) -> list[str]:
