@@ -407,6 +407,14 @@ def last_metric(folder: Path, key: str):
     return values[-1] if values else None
 
 
+def missing_runs(specs: list[sweep.RunSpec]) -> list[str]:
+    """Unfinished runs, one entry per reward/variant: ``rm/n5 seeds 2 3``."""
+    seeds: dict[str, list[int]] = {}
+    for s in specs:
+        seeds.setdefault(f"{s.reward}/{s.variant}", []).append(s.seed)
+    return [f"{name} seeds {' '.join(map(str, sorted(v)))}" for name, v in seeds.items()]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     root = Path(args.out).resolve()
@@ -459,8 +467,10 @@ def main(argv=None) -> int:
                                               "dpo_steps", "tune_grid", "tune_seeds")}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     path = write_report(Path(args.report), results, settings=settings, commands=commands,
-                        missing=[f"{s.reward}/{s.variant}/seed{s.seed}" for s in sweep.missing(all_specs)],
-                        unavailable=unavailable, invocation=invocation, real=real, dpo=dpo, tuning=tuning)
+                        missing=missing_runs(sweep.missing(all_specs)), unavailable=unavailable,
+                        invocation=invocation, real=real, dpo=dpo, tuning=tuning,
+                        not_run=[f"variant {v}" for v in CORE if v not in args.variants]
+                        + [f"the {r} reward" for r in FULL["rewards"] if r not in args.rewards])
     print(f"report: {path}")
     return 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from lab import sweep
-from lab.results_report import summary_table, write_report
+from lab.results_report import equal_kl_claims, frontier_table, summary_table, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student-t 97.5% quantile, 2 degrees of freedom (tables)
@@ -215,6 +215,12 @@ def test_reward_at_equal_kl_interpolates_each_seed_at_the_budget_every_seed_reac
     n5, ppo = (saved[v]["gold_at_budget"] for v in ("n5", "ppo"))
     assert (f"- **gold reward, MA-PPO n = 5 at equal KL** (√KL 1.40): gold {n5['mean']:.3f} ± {n5['ci95']:.3f} vs "
             f"PPO {ppo['mean']:.3f} ± {ppo['ci95']:.3f} — within the intervals.") in text
+    # a seed that never left the SFT policy: no common divergence, so no cell and no claim
+    kl_curve = results["gold"]["ppo"].curves["kl"]
+    results["gold"]["ppo"].curves["kl"] = {s: [0.0, v[1]] for s, v in kl_curve.items()}
+    table = frontier_table(results["gold"])
+    assert table["ppo"]["budget"] == 0 and table["n5"]["gold_at_budget"] is None
+    assert equal_kl_claims({"gold": table}) == []
 
 
 def test_parity_is_undefined_when_ppo_did_not_improve(tmp_path):
@@ -406,8 +412,13 @@ def test_records_keep_finished_runs_only_and_refuse_other_starting_weights(runs,
 
 
 def table_rows(text: str) -> dict[str, list[str]]:
-    return {cells[0]: cells[1:] for line in text.splitlines() if line.startswith("| ") and "---" not in line
-            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    """Each row label's first table row (the main table; the equal-KL table below it repeats the labels)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and "---" not in line:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
 
 
 @pytest.mark.slow
@@ -451,6 +462,10 @@ def test_quick_sweep_end_to_end(tmp_path):
     for col, key in enumerate(("gold_score", "rm_score", "kl")):
         assert re.match(rf"{(dpo[0][key] + dpo[1][key]) / 2:.3f} ± ", dpo_row[col]), (dpo_row, dpo)
     assert rows["SFT (start)"][0] == f"{step0['gold_score']:.3f}"
+    # reward at equal KL from the same runs; what the full sweep has and this one does not, said
+    text = report.read_text()
+    assert "### Reward at equal KL" in text and (report.parent / "results" / "frontier_gold.png").exists()
+    assert "- variant n10: not in this sweep" in text and "- the rm reward: not in this sweep" in text
     rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert "4 runs, 4 done, 0 to run" in rerun.stdout
     assert "\n$ " not in rerun.stdout  # nothing trained or evaluated again, DPO included

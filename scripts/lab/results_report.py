@@ -165,7 +165,8 @@ def frontier_table(results: dict[str, VariantResult]) -> dict:
         at = [gold_at_kl(rows_i, budget) for rows_i in seeds[n]]  # None: a curve that starts past the budget
         mean, ci = t_interval([g for g in at if g is not None] or [math.nan])
         out[n] = {"label": VARIANTS[n].label, "rows": rows, "seeds": seeds[n], "budget": budget,
-                  "gold_at_budget": {"mean": mean, "ci95": ci, "per_seed": at}}
+                  # budget 0: some seed never left the SFT policy, there is no common divergence to compare at
+                  "gold_at_budget": {"mean": mean, "ci95": ci, "per_seed": at} if budget > 0 else None}
     return out
 
 
@@ -180,9 +181,11 @@ def frontier_section(table: dict, png: Path, rel: Path, reward: str) -> list[str
     budget = next(iter(table.values()))["budget"]
     lines = ["### Reward at equal KL", "",
              f"![frontier]({png.relative_to(rel).as_posix()})", "",
-             f"Gold at √KL {budget:.2f}: the largest √KL that every seed of every variant reached, each seed's "
-             "curve interpolated there, mean over seeds ± the 95% Student-t half-width — the comparison at the same "
-             "divergence from the SFT policy. Peak: the evaluation with the highest mean gold.", "",
+             (f"Gold at √KL {budget:.2f}: the largest √KL that every seed of every variant reached, each seed's "
+              "curve interpolated there, mean over seeds ± the 95% Student-t half-width — the comparison at the "
+              "same divergence from the SFT policy." if budget > 0 else
+              "Some seed stayed within √KL 0.05 of the SFT policy: no common divergence to compare the variants "
+              "at (–).") + " Peak: the evaluation with the highest mean gold.", "",
              f"| variant | gold at √KL {budget:.2f} | peak gold | at step | at √KL | final gold | final √KL |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for v in table.values():
@@ -257,7 +260,9 @@ def claims(tables: dict[str, list[dict]]) -> list[str]:
 
 def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, settings: dict, commands: list[str],
                  missing: list[str], unavailable: dict, invocation: str, real: dict | None = None,
-                 dpo: dict | None = None, tuning: dict | None = None) -> Path:
+                 dpo: dict | None = None, tuning: dict | None = None, not_run: list[str] = ()) -> Path:
+    """``missing``: the unfinished runs (named by reward/variant and seeds); ``not_run``: the variants and
+    reward settings of the full sweep this invocation left out."""
     path = Path(path)
     fig_dir = path.parent / "results"
     tables = {reward: summary_table(res, reward) for reward, res in results.items()}
@@ -321,10 +326,11 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
     lines += ["## The paper's claims at this scale", ""] + (claims(tables) or ["- No finished runs."])
     lines += equal_kl_claims(frontiers)
     lines += baseline_claims(tables, dpo_rows) + [""]
-    if missing or unavailable:
+    if missing or unavailable or not_run:
         lines += ["## Not in this report", ""]
         lines += [f"- {v}: not run — this build's step 3 has no {', '.join(n)} flag" for v, n in unavailable.items()]
         lines += [f"- {run}: not finished (rerun the command to continue it)" for run in missing]
+        lines += [f"- {what}: not in this sweep (`--variants` / `--rewards` add it)" for what in not_run]
         lines.append("")
     lines += other_measurements(fig_dir)
     lines += ["## Commands", "", "```bash", *commands, "```", ""]
@@ -442,7 +448,7 @@ def equal_kl_claims(frontiers: dict[str, dict]) -> list[str]:
     out = []
     for reward, table in frontiers.items():
         base = table.get(BASELINE)
-        if base is None:
+        if base is None or base["gold_at_budget"] is None:
             continue
         b = base["gold_at_budget"]
         for name, v in table.items():
