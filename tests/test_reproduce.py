@@ -326,6 +326,7 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
                                                          "tune_seeds": [101]},
                         commands=[], missing=[], unavailable={}, invocation="test", tuning=tuning).read_text()
     assert "| PPO (n = 1) | **0.600** | 0.500 |" in text and "| MA-PPO n = 5 | 0.500 | **0.600** |" in text
+    assert "every 4 steps on the 4-prompt test half of 8 held-out prompts (the other half chose" in text
     for bad, message in ((["--tune_seeds", "1"], "overlap"),
                          (["--tune_grid", "no_such_flag=1,2"], "no flag --no_such")):
         proc = subprocess.run([*cmd[:-2], *bad, *([] if "--tune_grid" in bad else cmd[-2:])], cwd=REPO,

@@ -285,7 +285,9 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
              f"transformers {m['transformers']}",
              f"- Seeds: {settings['seeds']} (data split fixed by `--data_seed 1234`); "
              f"{settings['steps']} PPO steps per run; held-out evaluation every {settings['eval_interval']} steps on "
-             f"{settings['eval_samples']} prompts.",
+             + (f"the {settings['eval_samples'] // 2}-prompt test half of "
+                f"{settings['eval_samples']} held-out prompts (the other half chose the settings)."
+                if settings.get("tune_grid") else f"{settings['eval_samples']} prompts."),
              "- Values are means over seeds ± the half-width of the 95% Student-t interval. Steps-to-parity: "
              "the first evaluated step at which the variant's seed-mean reaches PPO's final seed-mean, as a "
              "fraction of PPO's steps (< 1: faster than PPO; 0: already at step 0), with its 95% percentile "
