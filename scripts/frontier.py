@@ -60,7 +60,7 @@ def aggregate(runs: list[list[dict]]) -> list[dict]:
 def write_report(curves: dict[str, list[dict]], settings: dict, path: Path,
                  per_seed: dict[str, list[list[dict]]] | None = None) -> str:
     png = path.with_suffix(".png")
-    plot(curves, png, per_seed)
+    plot(curves, png, {name: [aggregate([run]) for run in runs] for name, runs in (per_seed or {}).items()})
     budgets = sorted({round(b, 1) for b in (0.5, 1.0, 1.5, 2.0)})
     lines = [f"# The over-optimisation frontier at KL coefficient {settings['kl_ctl']}: gold and RM score "
              "against √KL", "",

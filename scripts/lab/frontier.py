@@ -51,8 +51,8 @@ def gold_at_kl(rows: list[dict], budget: float) -> float | None:
 
 
 def common_budget(curves: dict[str, list[dict]]) -> float:
-    """The largest √KL every method's mean curve reached (rounded down to 0.05): the budget at which all of them
-    can be compared."""
+    """The largest √KL every curve of ``curves`` (name -> :func:`frontier_rows`) reached, rounded down to 0.05:
+    the budget at which all of them can be compared."""
     reach = min(max(r["sqrt_kl"] for r in rows) for rows in curves.values())
     return math.floor(reach * 20 + 1e-9) / 20  # 1e-9: a reach of 1.4 computed as 1.3999... stays 1.4
 
@@ -60,8 +60,8 @@ def common_budget(curves: dict[str, list[dict]]) -> float:
 def plot(curves: dict[str, list[dict]], path: Path, per_seed: dict[str, list[list[dict]]] | None = None,
          title: str | None = None) -> Path:
     """Gold (and, where measured, reward-model) score against √KL: each method's mean over seeds with standard
-    error bars; ``per_seed`` (method -> one list of points ``{kl, gold_score, rm_score}`` per seed) as thin
-    lines, since a mean hides seeds that diverge."""
+    error bars; ``per_seed`` (method -> one :func:`frontier_rows` list per seed) as thin lines, since a mean
+    hides seeds that diverge."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +76,7 @@ def plot(curves: dict[str, list[dict]], path: Path, per_seed: dict[str, list[lis
             ax.errorbar(x, [r[key] for r in rows], yerr=[r[key + "_se"] if r["seeds"] > 1 else 0 for r in rows],
                         marker="o", markersize=3, capsize=2, label=f"{name}, mean of seeds", color=color)
             for points in (per_seed or {}).get(name, []):
-                ax.plot([sqrt_kl(p["kl"]) for p in points], [p[key] for p in points], color=color, alpha=0.35,
+                ax.plot([p["sqrt_kl"] for p in points], [p[key] for p in points], color=color, alpha=0.35,
                         linewidth=0.8, marker=".", markersize=2)
     titles = {"gold_score": "held-out gold score", "rm_score": "reward-model score (the proxy)"}
     for ax, key in zip(axes[0], keys, strict=True):

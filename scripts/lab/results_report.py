@@ -174,10 +174,9 @@ def frontier_section(table: dict, png: Path, rel: Path, reward: str) -> list[str
     """The equal-KL comparison under one reward setting: the plot and a table (empty without held-out KL)."""
     if not table:
         return []
-    curves = {v["label"]: v["rows"] for v in table.values()}
-    per_seed = {v["label"]: [[{"kl": p["sqrt_kl"] ** 2, **{k: p[k] for k in ("gold_score", "rm_score") if k in p}}
-                              for p in rows] for rows in v["seeds"]] for v in table.values()}
-    plot_frontier(curves, png, per_seed, title=f"{reward} reward: score against √KL to the SFT policy")
+    plot_frontier({v["label"]: v["rows"] for v in table.values()}, png,
+                  {v["label"]: v["seeds"] for v in table.values()},
+                  title=f"{reward} reward: score against √KL to the SFT policy")
     budget = next(iter(table.values()))["budget"]
     lines = ["### Reward at equal KL", "",
              f"![frontier]({png.relative_to(rel).as_posix()})", "",
