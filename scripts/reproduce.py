@@ -360,20 +360,26 @@ def tune_methods(args, root: Path, variants: list[str], sft: str, rm: str, comma
     return tuning
 
 
-def reported_runs(specs: list[sweep.RunSpec], tuning: dict | None,
-                  dry_run: bool) -> tuple[list[sweep.RunSpec], dict[Path, tuple[str, ...]]]:
-    """The runs to report and each one's own flags: all of them as they are without tuning; with it, those whose
-    method has chosen its point (a dry run plans all), at that point, on the test half of the prompts."""
+def reported_runs(specs: list[sweep.RunSpec], tuning: dict | None, root: Path,
+                  dry_run: bool) -> tuple[list[sweep.RunSpec], list[sweep.RunSpec], dict[Path, tuple[str, ...]]]:
+    """(the runs to do, all the planned ones, each one's own flags): all of them as they are without tuning; with
+    it, those whose method has chosen its point (a dry run plans all), at that point, on the test half of the
+    prompts, under ``root/test/LABEL`` — a run is the point's, so a choice that changes (another tuning seed, a
+    finished grid) runs the new point's seeds instead of reporting the old point's as the new one's."""
     if tuning is None:
-        return specs, {}
-    chosen = {(r, v): c["chosen"]["point"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
-    waiting = [s for s in specs if (s.reward, s.variant) not in chosen]
+        return specs, specs, {}
+    chosen = {(r, v): c["chosen"]["label"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
+    points = {(r, v): c["chosen"]["point"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
+    planned = [sweep.RunSpec(s.reward, s.variant, s.seed, root / "test" / chosen[s.reward, s.variant])
+               if (s.reward, s.variant) in chosen else s for s in specs]
+    todo = planned
+    waiting = [s for s in planned if (s.reward, s.variant) not in chosen]
     if waiting and not dry_run:
         print(f"{len(waiting)} runs wait for their tuning to finish (rerun to continue)", flush=True)
-        specs = [s for s in specs if (s.reward, s.variant) in chosen]
-    own = {s.out: (*sweep.point_flags(chosen.get((s.reward, s.variant), {})), "--eval_prompts", "test")
-           for s in specs}
-    return specs, own
+        todo = [s for s in planned if (s.reward, s.variant) in chosen]
+    own = {s.out: (*sweep.point_flags(points.get((s.reward, s.variant), {})), "--eval_prompts", "test")
+           for s in todo}
+    return todo, planned, own
 
 
 def choose_points(tune: dict[tuple[str, str], tuple[dict, list[sweep.RunSpec]]], rewards: list[str],
@@ -427,8 +433,8 @@ def main(argv=None) -> int:
             and sweep_records.restore_base(Path(args.records), root):
         print(f"restored the recorded SFT and reward model from {args.records}/base", flush=True)
     sft, rm, commands = base_models(args, root)
-    specs = all_specs = sweep.plan(root, args.rewards, variants, args.seeds)
-    run_dirs = [s.out for s in specs]
+    specs = sweep.plan(root, args.rewards, variants, args.seeds)
+    run_dirs: list[Path] = []  # every step-3 run's folder, once known (a tuned run's depends on the choice)
 
     def keep() -> None:  # after every piece of work: the records always hold everything finished
         if args.records and not args.dry_run and not args.report_only:
@@ -441,14 +447,16 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: {err}") from None
         if not (args.sft or args.rm):
             sweep_records.keep_base(root, Path(args.records))
-        restored = sweep_records.restore(Path(args.records), root, run_dirs)
-        print(f"restored {restored} files of finished runs from {args.records}", flush=True)
     restore = (lambda dirs: sweep_records.restore(Path(args.records), root, dirs)) \
         if args.records and not args.dry_run and not args.report_only else None
     # 2. every method at every point of its grid, on the validation prompts; None without --tune_grid
     tuning = tune_methods(args, root, variants, sft, rm, commands, keep, restore, run_dirs)
     # 3. the reported runs: each method at its chosen point, fresh seeds, the test prompts
-    specs, own = reported_runs(specs, tuning, args.dry_run)
+    specs, all_specs, own = reported_runs(specs, tuning, root, args.dry_run)
+    run_dirs += [s.out for s in all_specs]
+    if restore is not None:
+        print(f"restored {restore([s.out for s in all_specs])} files of finished runs from {args.records}",
+              flush=True)
     run_specs(specs, args, sft, rm, own, commands, keep, "runs")
     dpo = dpo_track(args, root, sft, rm, specs, commands)
     keep()
@@ -466,6 +474,7 @@ def main(argv=None) -> int:
     settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards",
                                               "dpo_steps", "tune_grid", "tune_seeds")}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
+    commands = [c.replace(f"{REPO}/", "") for c in commands]  # run from the checkout: its paths relative to it
     path = write_report(Path(args.report), results, settings=settings, commands=commands,
                         missing=missing_runs(sweep.missing(all_specs)), unavailable=unavailable,
                         invocation=invocation, real=real, dpo=dpo, tuning=tuning,

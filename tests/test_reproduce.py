@@ -313,7 +313,7 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
     for line in planned:
         variant = "ppo" if "/gold/ppo/" in line else "n5"
         assert f"--actor_learning_rate {best[variant]} --eval_prompts test --seed " in line, line
-        assert "/tune/" not in line
+        assert f"/test/actor_learning_rate={best[variant]}/gold/{variant}/seed" in line, line
     from reproduce import choose_points, tuning_plan
 
     tune = tuning_plan(out, sweep.parse_grid("actor_learning_rate=1e-5,3e-5"), ["gold"], ["ppo", "n5"], [101])
@@ -332,6 +332,38 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
         proc = subprocess.run([*cmd[:-2], *bad, *([] if "--tune_grid" in bad else cmd[-2:])], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_reported_runs_belong_to_their_point_so_a_changed_choice_runs_the_new_points_seeds(tmp_path):
+    """Reported runs finished at PPO's choice on one tuning seed (lr 1e-5: 0.6 against 0.55) count as done while
+    that point is chosen; a second tuning seed on which 1e-5 collapses (0.1) moves the choice to 3e-5 (mean 0.55
+    against 0.35), whose seeds are planned afresh: the old point's runs are neither reported as the new point's
+    nor deleted."""
+    out = tmp_path / "repro"
+
+    def tuned(lr, seed, gold):
+        fake_run(out / "tune" / f"actor_learning_rate={lr}" / "gold" / "ppo" / f"seed{seed}", 4, {0: 0.4, 4: gold},
+                 rm=0.0, seed_kl=0.01)
+
+    tuned("1e-5", 101, 0.6), tuned("3e-5", 101, 0.55)
+    for seed in (1, 2):
+        fake_run(out / "test" / "actor_learning_rate=1e-5" / "gold" / "ppo" / f"seed{seed}", 4, {0: 0.4, 4: 0.6},
+                 rm=0.0, seed_kl=0.01)
+    cmd = [sys.executable, "scripts/reproduce.py", "--out", str(out), "--sft", "S", "--rm", "R", "--variants", "ppo",
+           "--rewards", "gold", "--seeds", "1", "2", "--dpo_steps", "0", "--dry_run",
+           "--tune_grid", "actor_learning_rate=1e-5,3e-5", "--tune_seeds", "101"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tuning: 2 runs, 2 done, 0 to run" in proc.stdout and "runs: 2 runs, 2 done, 0 to run" in proc.stdout
+    tuned("1e-5", 102, 0.1), tuned("3e-5", 102, 0.55)
+    proc = subprocess.run([*cmd, "102"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tuning: 4 runs, 4 done, 0 to run" in proc.stdout and "runs: 2 runs, 0 done, 2 to run" in proc.stdout
+    planned = [line for line in proc.stdout.splitlines() if line.startswith("$ ") and "/gold/ppo/" in line]
+    assert len(planned) == 2 and all("/test/actor_learning_rate=3e-5/gold/ppo/seed" in line
+                                     and "--actor_learning_rate 3e-5 --eval_prompts test" in line for line in planned)
+    assert all((out / "test" / "actor_learning_rate=1e-5" / "gold" / "ppo" / f"seed{s}" / "summary.json").exists()
+               for s in (1, 2))
 
 
 def test_unknown_variant_is_refused(tmp_path):
