@@ -18,6 +18,8 @@ def load(name):
 
 
 frontier = load("frontier")
+from lab.frontier import best_gold_within  # noqa: E402  (scripts/ is on the path once frontier.py is loaded)
+
 seeds_script = load("main_job_seeds")
 
 
@@ -55,6 +57,7 @@ def test_frontier_points_aggregate_peak_and_budget(tmp_path):
     assert frontier.gold_at_kl(rows, 1.5) == pytest.approx(0.61)
     assert frontier.gold_at_kl(rows, 0.5) == pytest.approx(0.56)
     assert frontier.gold_at_kl(rows, 3.5) is None  # never got that far
+    assert best_gold_within(rows, 1.5) == pytest.approx(0.62)  # the evaluation at √KL 1 beats 0.61
     assert frontier.sqrt_kl(-0.01) == 0.0
     text = frontier.write_report({"PPO (n = 1)": rows}, {"machine": "test CPU", "reward_model": "step2", "steps": 30,
                                                          "kl_ctl": 0.1, "eval_interval": 10, "eval_prompts": 256,
@@ -65,6 +68,21 @@ def test_frontier_points_aggregate_peak_and_budget(tmp_path):
     assert (tmp_path / "frontier.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="different steps"):
         frontier.aggregate([a, a[:-1]])
+
+
+def test_best_gold_within_a_budget_credits_the_climb_after_an_early_kl_jump():
+    """The sweep's curves: √KL jumps past the budget in the first evaluation (gold dips), then settles below it
+    while gold climbs.  Gold on first reaching √KL 1.3 reads the dip; the best within the budget is the climb's
+    top — by hand over the evaluations inside (0.64, 0.70, 0.74, 0.75) and the two crossings."""
+    rows = [{"sqrt_kl": x, "gold_score": g} for x, g in
+            ((0.0, 0.64), (1.35, 0.59), (1.2, 0.70), (1.25, 0.74), (1.28, 0.75), (1.6, 0.80))]
+    assert frontier.gold_at_kl(rows, 1.3) == pytest.approx(0.64 - 0.05 * 1.3 / 1.35)
+    assert best_gold_within(rows, 1.3) == pytest.approx(0.75 + (0.02 / 0.32) * 0.05)  # 1.28 -> 1.6
+    # at 1.22 only 0.64 and 0.70 lie inside; crossings 0.5948 (first segment), 0.6853 (1.35 -> 1.2) and
+    # 0.716 (1.2 -> 1.25: 0.70 + 0.4 x 0.04) — the last is the best
+    assert best_gold_within(rows, 1.22) == pytest.approx(0.716)
+    assert best_gold_within(rows[1:], 1.0) is None  # never within
+    assert best_gold_within(rows, 0.0) == pytest.approx(0.64)
 
 
 def write_seed(folder, sft_gold, rl_gold, oracle_gold=None):

@@ -50,6 +50,21 @@ def gold_at_kl(rows: list[dict], budget: float) -> float | None:
     return rows[0]["gold_score"] if budget == rows[0]["sqrt_kl"] else None
 
 
+def best_gold_within(rows: list[dict], budget: float) -> float | None:
+    """The highest gold score on the curve (evaluations joined by straight lines in √KL) where √KL ≤ ``budget``:
+    every evaluation inside the budget and every point where a segment crosses it, interpolated — what stopping
+    at the best evaluation within that divergence keeps.  None when the curve never is within the budget.
+
+    Unlike :func:`gold_at_kl` it does not read a transient: a KL that jumps past the budget in the first steps
+    (gold dipping) and then settles below it while gold climbs is credited with the climb."""
+    found = [r["gold_score"] for r in rows if r["sqrt_kl"] <= budget]
+    for a, b in zip(rows, rows[1:], strict=False):
+        if min(a["sqrt_kl"], b["sqrt_kl"]) < budget < max(a["sqrt_kl"], b["sqrt_kl"]):
+            t = (budget - a["sqrt_kl"]) / (b["sqrt_kl"] - a["sqrt_kl"])
+            found.append(a["gold_score"] + t * (b["gold_score"] - a["gold_score"]))
+    return max(found) if found else None
+
+
 def common_budget(curves: dict[str, list[dict]]) -> float:
     """The largest √KL every curve of ``curves`` (name -> :func:`frontier_rows`) reached, rounded down to 0.05:
     the budget at which all of them can be compared."""

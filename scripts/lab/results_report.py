@@ -14,7 +14,7 @@ import platform
 from pathlib import Path
 
 from lab.cost_report import render_cost_section
-from lab.frontier import common_budget, frontier_rows, gold_at_kl, peak
+from lab.frontier import best_gold_within, common_budget, frontier_rows, gold_at_kl, peak
 from lab.frontier import plot as plot_frontier
 from lab.summary import save_figure
 from lab.sweep import (
@@ -151,8 +151,9 @@ def _seed_curves(r: VariantResult, i: int) -> dict[str, dict[int, list[float]]]:
 
 def frontier_table(results: dict[str, VariantResult]) -> dict:
     """Reward at equal KL, for the variants with a held-out KL curve: each one's mean curve (:func:`frontier_rows`),
-    its seeds' curves, and the gold score at the common budget — the largest √KL that every seed of every variant
-    reached (so each seed's own curve is interpolated there, and the mean over seeds has a Student-t interval)."""
+    its seeds' curves, and at the common budget — the largest √KL that every seed of every variant reached — each
+    seed's best gold within it (:func:`best_gold_within`, ``gold_at_budget``: the comparison) and its gold on first
+    reaching it (:func:`gold_at_kl`, ``gold_first_at_budget``), as means over seeds with Student-t intervals."""
     with_kl = {n: r for n in VARIANTS if (r := results.get(n)) is not None and r.curves.get("kl")
                and r.curves.get("gold_score")}
     if not with_kl:
@@ -162,11 +163,14 @@ def frontier_table(results: dict[str, VariantResult]) -> dict:
     out = {}
     for n, r in with_kl.items():
         rows = frontier_rows(r.curves)
-        at = [gold_at_kl(rows_i, budget) for rows_i in seeds[n]]  # None: a curve that starts past the budget
-        mean, ci = t_interval([g for g in at if g is not None] or [math.nan])
+        def over_seeds(at: list[float | None]) -> dict | None:  # None in ``at``: a curve that starts past it
+            mean, ci = t_interval([g for g in at if g is not None] or [math.nan])
+            # budget 0: some seed never left the SFT policy, there is no common divergence to compare at
+            return {"mean": mean, "ci95": ci, "per_seed": at} if budget > 0 else None
+
         out[n] = {"label": VARIANTS[n].label, "rows": rows, "seeds": seeds[n], "budget": budget,
-                  # budget 0: some seed never left the SFT policy, there is no common divergence to compare at
-                  "gold_at_budget": {"mean": mean, "ci95": ci, "per_seed": at} if budget > 0 else None}
+                  "gold_at_budget": over_seeds([best_gold_within(rows_i, budget) for rows_i in seeds[n]]),
+                  "gold_first_at_budget": over_seeds([gold_at_kl(rows_i, budget) for rows_i in seeds[n]])}
     return out
 
 
@@ -180,17 +184,22 @@ def frontier_section(table: dict, png: Path, rel: Path, reward: str) -> list[str
     budget = next(iter(table.values()))["budget"]
     lines = ["### Reward at equal KL", "",
              f"![frontier]({png.relative_to(rel).as_posix()})", "",
-             (f"Gold at √KL {budget:.2f}: the largest √KL that every seed of every variant reached, each seed's "
-              "curve interpolated there, mean over seeds ± the 95% Student-t half-width — the comparison at the "
-              "same divergence from the SFT policy." if budget > 0 else
+             (f"The budget, √KL {budget:.2f}, is the largest √KL that every seed of every variant reached. Best "
+              "gold within it: each seed's highest gold score while its √KL stays within the budget (evaluations "
+              "joined by straight lines) — the policy that stopping at that divergence keeps, picked on these "
+              "prompts for every variant alike — mean over seeds ± the 95% Student-t half-width: the comparison "
+              "at the same divergence from the SFT policy. On first reaching: each seed's gold where its curve "
+              "first gets to the budget, which reads a dip when KL jumps in the first steps." if budget > 0 else
               "Some seed stayed within √KL 0.05 of the SFT policy: no common divergence to compare the variants "
               "at (–).") + " Peak: the evaluation with the highest mean gold.", "",
-             f"| variant | gold at √KL {budget:.2f} | peak gold | at step | at √KL | final gold | final √KL |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"| variant | best gold, √KL ≤ {budget:.2f} | gold on first reaching √KL {budget:.2f} | peak gold "
+             "| at step | at √KL | final gold | final √KL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for v in table.values():
         rows, at = v["rows"], v["gold_at_budget"]
         top, last = peak(rows), rows[-1]
-        lines.append(f"| {v['label']} | {_fmt(at)} | {top['gold_score']:.3f} | {top['step']} | "
+        lines.append(f"| {v['label']} | {_fmt(at)} | {_fmt(v['gold_first_at_budget'])} | {top['gold_score']:.3f} "
+                     f"| {top['step']} | "
                      f"{top['sqrt_kl']:.2f} | {last['gold_score']:.3f} | {last['sqrt_kl']:.2f} |")
     return lines + [""]
 
@@ -459,7 +468,8 @@ def equal_kl_claims(frontiers: dict[str, dict]) -> list[str]:
             order = ci_order(m, b)
             verdict = ("higher, intervals apart" if order > 0 else "lower, intervals apart" if order < 0 else
                        "within the intervals")
-            out.append(f"- **{reward} reward, {v['label']} at equal KL** (√KL {v['budget']:.2f}): gold {_fmt(m)} vs "
+            out.append(f"- **{reward} reward, {v['label']} at equal KL** (best gold within √KL {v['budget']:.2f}): "
+                       f"{_fmt(m)} vs "
                        f"PPO {_fmt(b)} — {verdict}.")
     return out
 
