@@ -329,6 +329,13 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
                         commands=[], missing=[], unavailable={}, invocation="test", tuning=tuning).read_text()
     assert "| PPO (n = 1) | **0.600** | 0.500 |" in text and "| MA-PPO n = 5 | 0.500 | **0.600** |" in text
     assert "every 4 steps on the 4-prompt test half of 8 held-out prompts (the other half chose" in text
+    tuning["gold"]["ppo"]["scores"]["actor_learning_rate=1e-5"] = [0.7, 0.5]  # two tuning seeds: each one shown
+    text = write_report(tmp_path / "r.md", {}, settings={"seeds": [1, 2], "steps": 4, "eval_interval": 4,
+                                                         "eval_samples": 8, "rewards": ["gold"],
+                                                         "tune_grid": "actor_learning_rate=1e-5,3e-5",
+                                                         "tune_seeds": [101, 102]},
+                        commands=[], missing=[], unavailable={}, invocation="test", tuning=tuning).read_text()
+    assert "| PPO (n = 1) | **0.600 (0.700 / 0.500)** | 0.500 |" in text
     for bad, message in ((["--tune_seeds", "1"], "overlap"),
                          (["--tune_grid", "no_such_flag=1,2"], "no flag --no_such")):
         proc = subprocess.run([*cmd[:-2], *bad, *([] if "--tune_grid" in bad else cmd[-2:])], cwd=REPO,

@@ -350,7 +350,7 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
 
 def tuning_section(tuning: dict, settings: dict) -> list[str]:
     """Each method's grid and what it chose: the mean final gold score on the validation prompts at every grid
-    point (tuning seeds), the chosen one in bold."""
+    point over the tuning seeds (and each seed's, when more than one), the chosen one in bold."""
     lines = ["## Settings chosen on the validation prompts", "",
              f"Every method ran at every point of `--tune_grid {settings.get('tune_grid')}` with seeds "
              f"{settings.get('tune_seeds')}, evaluated on the validation half of the held-out prompts; the point with "
@@ -366,7 +366,8 @@ def tuning_section(tuning: dict, settings: dict) -> list[str]:
             cells = []
             for label in labels:
                 vals = v["scores"].get(label)
-                cell = "–" if not vals else f"{sum(vals) / len(vals):.3f}"
+                cell = "–" if not vals else f"{sum(vals) / len(vals):.3f}" + (  # each seed's too: a collapse shows
+                    f" ({' / '.join(f'{x:.3f}' for x in vals)})" if len(vals) > 1 else "")
                 cells.append(f"**{cell}**" if label == chosen else cell)
             lines.append(f"| {VARIANTS[variant].label} | " + " | ".join(cells) + " |")
         lines.append("")
