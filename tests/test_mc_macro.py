@@ -42,11 +42,15 @@ def test_advantages_are_the_td_errors_of_the_monte_carlo_values():
             assert not adv[b, ~mask[b]].any()
 
 
-def test_monte_carlo_values_average_continuations_of_each_boundary(tmp_path):
+def test_monte_carlo_values_average_continuations_of_each_boundary(tmp_path, monkeypatch):
+    """V̂(s_k) is the mean clipped score of K continuations of s_k (the answer's prefix kept, the answer budget
+    kept), by a score that depends on the whole answer; the continuations are generated in chunks of the
+    longest prefixes first, each with the budget its shortest prefix needs."""
     from ppo_harness import make_trainer, prompts, rlhf_args
 
     from marlhf import embedded
     from marlhf.generation import sample
+    from marlhf.rlhf import rollout
     from marlhf.rlhf.rollout import monte_carlo_values
 
     nano = embedded.prepare(size="nano").model_dir
@@ -62,14 +66,28 @@ def test_monte_carlo_values_average_continuations_of_each_boundary(tmp_path):
         calls.append((s, list(rows)))
         return s.answer_mask.sum(1).float() * 0.5 - 3
 
+    budgets = []
+
+    def spy(actor, ids, mask, cfg, **kw):  # each generation call's token budget
+        budgets.append(cfg.max_new_tokens)
+        return sample(actor, ids, mask, cfg, **kw)
+
+    monkeypatch.setattr(rollout, "sample", spy)
     K, clip = 2, 5.0
     values, n = monte_carlo_values(t.rlhf.actor, score, out, seg, K, t.gen_cfg, clip, chunk=4)
     P, A = out.prompt_width, out.answers.shape[1]
     rows = [(s, i, r) for s, owners in calls for i, r in enumerate(owners)]
-    states = [(b, k) for b in range(3) for k in range(int(seg[b].max()) + 1)]
+
+    def start(b, k):
+        return int((seg[b] == k).nonzero()[0, 0])
+
+    # generated longest prefix first, 4 states a call, each call with the budget its shortest prefix needs
+    states = sorted(((b, k) for b in range(3) for k in range(int(seg[b].max()) + 1)), key=lambda s: -start(*s))
     assert n == len(states) * K == len(rows)
+    assert budgets == [A - start(*states[min(lo + 3, len(states) - 1)]) for lo in range(0, len(states), 4)]
+    assert budgets[0] < A  # the late boundaries' call did not generate the whole answer budget
     for i, (b, k) in enumerate(states):
-        t0 = int((seg[b] == k).nonzero()[0, 0])
+        t0 = start(b, k)
         got = []
         for s, r, owner in rows[i * K:(i + 1) * K]:
             assert owner == b

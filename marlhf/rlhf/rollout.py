@@ -158,15 +158,20 @@ def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, 
     macro action k, K continuations sampled with the current policy, the answer's token budget kept (a
     continuation is cut at A − t tokens, and then did not end); V̂(s_k) = the mean of their clipped scores.
     ``score(samples, rows)``: the reward source on samples whose row i continues answer ``rows[i]``.  Returns
-    ((B, M) float32, 0 past a sample's last action; the number of continuations sampled)."""
+    ((B, M) float32, 0 past a sample's last action; the number of continuations sampled).
+
+    The states are generated ``chunk`` at a time, longest prefix first, each chunk with the largest budget among
+    its states (A − its shortest prefix): late boundaries need few tokens, and a chunk that mixed them with
+    early ones would generate the whole answer budget for every row."""
     P, A = out.prompt_width, out.seq.shape[1] - out.prompt_width
     B, M = seg.shape[0], int(seg.max().item()) + 1 if seg.numel() and bool((seg >= 0).any()) else 0
     values = torch.zeros((B, M), dtype=torch.float32, device=seg.device)
     states = [(b, k, int((seg[b] == k).nonzero()[0, 0])) for b in range(B) for k in range(int(seg[b].max()) + 1)
               if bool((seg[b] >= 0).any())]
-    cfg = dataclasses.replace(generation, max_new_tokens=max(A, 1))
+    states.sort(key=lambda state: -state[2])  # stable: equal prefixes keep the (answer, action) order
     for lo in range(0, len(states), chunk):
         part = states[lo:lo + chunk]
+        cfg = dataclasses.replace(generation, max_new_tokens=max(A - part[-1][2], 1))
         prompts = [out.seq[b, :P][out.attention_mask[b, :P].bool()].tolist() for b, _, _ in part]
         prefixes = [out.seq[b, P:P + t].tolist() for b, _, t in part]
         width = max(len(p) + len(x) for p, x in zip(prompts, prefixes))
