@@ -18,6 +18,7 @@ With ``num_samples = K`` the N = B·K rows are grouped by prompt: rows i·K … 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -135,9 +136,6 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
         raise ValueError(f"zero3_generation must be 'gather' or 'synced', got {zero3_generation!r}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
-    if num_samples > 1:
-        prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
     engine = _is_engine(policy)
     hybrid = engine and _is_hybrid(policy)
     module = policy if hybrid or not engine else policy.module
@@ -149,12 +147,17 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
     rng = contextlib.nullcontext() if cfg.seed is None else isolated_rng(cfg.seed + dist.rank())
     try:
         with rng, _gathered(module, 3 if gather else 0):
+            synced = zero3 and not gather and dist.world_size() > 1
+            cache = None if hybrid or synced else shared_prefill(module, prompt_ids, prompt_mask, num_samples)
+            if num_samples > 1:
+                prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
+                prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
             sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p) \
                 if cfg.do_sample else {}
             seq = module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=cfg.do_sample,
                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=list(cfg.stop_ids),
-                                  pad_token_id=cfg.pad_id, use_cache=True,
-                                  synced_gpus=zero3 and not gather and dist.world_size() > 1, **sampling)
+                                  pad_token_id=cfg.pad_id, use_cache=True, synced_gpus=synced,
+                                  **(cache or {}), **sampling)
     finally:
         policy.train(was_training)
     P = prompt_ids.shape[1]
@@ -164,6 +167,30 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
     attn = torch.cat([prompt_mask, mask.long()], dim=1)
     seq = torch.where(attn.bool(), seq, torch.full_like(seq, cfg.pad_id))  # clean tail after the stop token
     return Samples(seq, attn, P, mask, ended)
+
+
+def shared_prefill(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int):
+    """With K = ``num_samples`` > 1 answers per prompt, the prompts' key/value cache computed once and repeated K
+    times (all of each prompt but its last token, which ``generate`` then feeds): without it ``generate``
+    runs the same prompt K times through the model, most of the cost of long prompts with short answers
+    (the Monte-Carlo values' continuations, GRPO's groups).  The answers are the same, token for token, as
+    K separate prefills give (positions from the left padding as ``generate`` counts them; a prefill draws
+    no random numbers).  None — ``generate`` prefills each copy as usual — for one sample, a one-token prompt,
+    or a model whose forward takes no ``position_ids`` or whose cache cannot be repeated.  Returns the keyword
+    argument that hands the cache to ``generate``."""
+    params = inspect.signature(module.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"  # transformers renamed it within 5.x
+    if num_samples < 2 or prompt_ids.shape[1] < 2 or "position_ids" not in params or name not in params:
+        return None
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = module(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+                     position_ids=positions[:, :-1], use_cache=True)
+    cache = getattr(out, name, None)
+    if not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(num_samples)
+    return {name: cache}
 
 
 def decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:

@@ -163,6 +163,34 @@ def test_greedy_is_the_argmax_loop(varied):
     assert out.ended.tolist() == [w[-1] == stop for w in want]
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_k_answers_share_one_prefill_of_their_prompt(varied, monkeypatch, do_sample):
+    """num_samples = K: the prompts (all but their last token) go through the model once, B rows, and generate
+    starts from that cache repeated K times — feeding K·B rows of one token — with the same answers, token for
+    token, as K separate prefills (greedy: each copy the argmax loop; sampling: the same seeded draws)."""
+    import marlhf.generation as generation
+
+    ids, mask = left_padded(PROMPTS)
+    K, shapes = 3, []
+    hook = varied.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
+    try:
+        shared = sample(varied, ids, mask, cfg(do_sample=do_sample, seed=11, max_new_tokens=8), num_samples=K)
+        assert shapes[:2] == [(len(PROMPTS), ids.shape[1] - 1), (len(PROMPTS) * K, 1)]
+        monkeypatch.setattr(generation, "shared_prefill", lambda *a: None)  # K prefills, as generate alone does
+        shapes.clear()
+        separate = sample(varied, ids, mask, cfg(do_sample=do_sample, seed=11, max_new_tokens=8), num_samples=K)
+        assert shapes[0] == (len(PROMPTS) * K, ids.shape[1])
+    finally:
+        hook.remove()
+    assert torch.equal(shared.seq, separate.seq) and torch.equal(shared.answer_mask, separate.answer_mask)
+    if not do_sample:
+        got = [a[m].tolist() for a, m in zip(shared.answers, shared.answer_mask)]
+        assert got == [greedy_loop(varied, p, 8, stop=3) for p in PROMPTS for _ in range(K)]
+    else:  # sampled: the K answers to a prompt are K draws
+        assert len({tuple(r.tolist()) for r in shared.answers[:K]}) > 1
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_the_policys_mode_is_restored(nano, training):
     ids, mask = left_padded(PROMPTS[:1])
