@@ -354,7 +354,7 @@ def tune_methods(args, root: Path, variants: list[str], sft: str, rm: str, comma
     own = {s.out: (*sweep.point_flags(pt), "--eval_prompts", "validation") for pt, sp in tune.values() for s in sp}
     run_specs(tune_specs, args, sft, rm, own, commands, keep, "tuning")
     tuning = choose_points(tune, args.rewards, variants)
-    if not args.dry_run:
+    if not (args.dry_run or args.report_only):  # the sweep's choice; a report of some of its runs leaves it be
         root.mkdir(parents=True, exist_ok=True)
         (root / "tuning.json").write_text(json.dumps(tuning, indent=1))
     return tuning
