@@ -178,9 +178,11 @@ def shared_prefill(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     no random numbers).  None — ``generate`` prefills each copy as usual — for one sample, a one-token prompt,
     or a model whose forward takes no ``position_ids`` or whose cache cannot be repeated.  Returns the keyword
     argument that hands the cache to ``generate``."""
+    if num_samples < 2 or prompt_ids.shape[1] < 2:
+        return None
     params = inspect.signature(module.forward).parameters
     name = "cache" if "cache" in params else "past_key_values"  # transformers renamed it within 5.x
-    if num_samples < 2 or prompt_ids.shape[1] < 2 or "position_ids" not in params or name not in params:
+    if "position_ids" not in params or name not in params:
         return None
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

@@ -368,16 +368,16 @@ def reported_runs(specs: list[sweep.RunSpec], tuning: dict | None, root: Path,
     finished grid) runs the new point's seeds instead of reporting the old point's as the new one's."""
     if tuning is None:
         return specs, specs, {}
-    chosen = {(r, v): c["chosen"]["label"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
-    points = {(r, v): c["chosen"]["point"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
-    planned = [sweep.RunSpec(s.reward, s.variant, s.seed, root / "test" / chosen[s.reward, s.variant])
+    chosen = {(r, v): c["chosen"] for r, by in tuning.items() for v, c in by.items() if c["chosen"]}
+    planned = [sweep.RunSpec(s.reward, s.variant, s.seed, root / "test" / chosen[s.reward, s.variant]["label"])
                if (s.reward, s.variant) in chosen else s for s in specs]
     todo = planned
     waiting = [s for s in planned if (s.reward, s.variant) not in chosen]
     if waiting and not dry_run:
         print(f"{len(waiting)} runs wait for their tuning to finish (rerun to continue)", flush=True)
         todo = [s for s in planned if (s.reward, s.variant) in chosen]
-    own = {s.out: (*sweep.point_flags(points.get((s.reward, s.variant), {})), "--eval_prompts", "test")
+    own = {s.out: (*sweep.point_flags(chosen.get((s.reward, s.variant), {}).get("point", {})), "--eval_prompts",
+                   "test")
            for s in todo}
     return todo, planned, own
 
