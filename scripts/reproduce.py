@@ -12,7 +12,8 @@ held-out gold score, RM score, KL and length recorded every ``--eval_interval`` 
     python scripts/reproduce.py --report_only        # regenerate docs/results.md from the recorded runs
 
 1. steps 1–2 once (the quick start's launch scripts; or ``--sft`` / ``--rm`` to reuse models),
-2. with ``--tune_grid``, each (reward, variant) is run at every point of the grid with the ``--tune_seeds``,
+2. with ``--tune_grid`` (the gold reward: ``--tune_grid_gold``, its KL coefficients scaled to the gold score's
+   smaller spread), each (reward, variant) is run at every point of its grid with the ``--tune_seeds``,
    evaluated on the validation half of the held-out prompts, and the point with the best final validation
    gold score is chosen for it — every method gets the same grid and the same budget, and is tuned by its own
    result ("differences could be due to tuning one method more than another");
@@ -50,13 +51,18 @@ from marlhf.config import RLHFArgs  # noqa: E402
 # every method tuned on the same grid: actor learning rate x KL coefficient x GAE's λ (2 x 2 x 2; critic-free
 # methods have no λ: 2 x 2).  λ is on it because token-level PPO at λ 0.95 fell under its start with the gold
 # reward where λ 1 did not (docs/results/ppo_lambda.md): a fixed λ would favour the longer macro actions.
+# The gold reward's KL coefficients are the reward model's × 0.05, the gold score's spread over the reward
+# model's on the SFT policy's held-out answers (their standard errors, 0.0196 / 0.380 on the runs_v2 base):
+# advantages are whitened, so what steers step 3 is β against the reward's spread, and each grid then spans the
+# same β per unit of spread (scripts/main_job_seeds.py scales its oracle's β the same way).
 # the variants issue 30 names (and n = ∞); --variants adds the others (σ, ratio, randomized, word, Dr. GRPO, REINFORCE)
 CORE = ["ppo", "n5", "n10", "ninf", "parsing", "ppl", "lowprob", "mc_macro", "grpo", "rloo"]
 FULL = dict(variants=CORE, rewards=["gold", "rm"], seeds=[1, 2, 3, 4, 5], steps=100,
             eval_interval=10, eval_samples=512, dpo_steps=100,
-            tune_grid="actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0")
+            tune_grid="actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0",
+            tune_grid_gold="actor_learning_rate=3e-5,1e-4 kl_ctl=0.0025,0.025 lam=0.95,1.0")
 QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8,
-             dpo_steps=3, tune_grid="")
+             dpo_steps=3, tune_grid="", tune_grid_gold="")
 SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
                  REPO.parent / "shared") / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
 MAINS = {1: "training/step1_supervised_finetuning/main.py", 2: "training/step2_reward_model_finetuning/main.py",
@@ -84,6 +90,9 @@ def parse_args(argv=None):
                    f"{FULL['tune_grid']!r}; '' = no tuning, the launch script's settings; --quick: none). Tuning "
                    "runs use --tune_seeds and the validation half of the held-out prompts; the reported runs use "
                    "the chosen point, --seeds and the test half.")
+    p.add_argument("--tune_grid_gold", help="The gold reward's own grid (default: --tune_grid when that is given, "
+                   f"else {FULL['tune_grid_gold']!r}: the KL coefficients scaled to the gold score's spread). Tune "
+                   "every reward or none.")
     p.add_argument("--tune_seeds", type=int, nargs="+", default=[101],
                    help="Seeds of the tuning runs (fresh: keep them apart from --seeds).")
     p.add_argument("--sft", help="SFT model to start from (default: run step 1 under --out/base).")
@@ -113,17 +122,26 @@ def parse_args(argv=None):
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     defaults = QUICK if args.quick else FULL
+    if args.tune_grid_gold is None and args.tune_grid is not None:
+        args.tune_grid_gold = args.tune_grid
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    try:
-        args.grid = sweep.parse_grid(args.tune_grid)
-    except ValueError as err:
-        p.error(str(err))
-    unknown = sorted({k for point in args.grid for k in point} - {f.name for f in fields(RLHFArgs)})
-    if unknown:
-        p.error(f"--tune_grid: step 3 has no flag {', '.join('--' + k for k in unknown)}")
-    if args.grid != [{}] and set(args.tune_seeds) & set(args.seeds):
+    args.grids = {}  # reward -> its grid ([{}]: no tuning)
+    for reward in args.rewards:
+        flag, text = ("--tune_grid_gold", args.tune_grid_gold) if reward == "gold" else ("--tune_grid", args.tune_grid)
+        try:
+            args.grids[reward] = sweep.parse_grid(text)
+        except ValueError as err:
+            p.error(f"{flag}: {err}")
+        unknown = sorted({k for point in args.grids[reward] for k in point} - {f.name for f in fields(RLHFArgs)})
+        if unknown:
+            p.error(f"{flag}: step 3 has no flag {', '.join('--' + k for k in unknown)}")
+    args.tuned = any(grid != [{}] for grid in args.grids.values())
+    if args.tuned and any(grid == [{}] for grid in args.grids.values()):
+        p.error(f"--tune_grid {args.tune_grid!r} and --tune_grid_gold {args.tune_grid_gold!r}: tune every reward of "
+                f"--rewards {' '.join(args.rewards)} or none (a table would mix tuned and untuned methods)")
+    if args.tuned and set(args.tune_seeds) & set(args.seeds):
         p.error(f"--tune_seeds {args.tune_seeds} and --seeds {args.seeds} overlap: the reported runs need fresh seeds")
     return args
 
@@ -331,21 +349,27 @@ def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, co
         keep()
 
 
-def tuning_plan(root: Path, grid: list[dict], rewards: list[str], variants: list[str],
+def tuning_plan(root: Path, grids: dict[str, list[dict]], variants: list[str],
                 seeds: list[int]) -> dict[tuple[str, str], tuple[dict, list[sweep.RunSpec]]]:
     """(variant, point label) -> (point, its runs under ``root/tune/LABEL``): each variant's own grid
-    (:func:`lab.sweep.variant_points`), every reward and tuning seed."""
-    return {(v, sweep.point_label(pt)): (pt, sweep.plan(root / "tune" / sweep.point_label(pt), rewards, [v], seeds))
-            for v in variants for pt in sweep.variant_points(grid, v)}
+    (:func:`lab.sweep.variant_points`) of each reward's grid (``grids``: reward -> grid), every tuning seed; a
+    point on several rewards' grids has a run for each of them."""
+    points: dict[tuple[str, str], tuple[dict, list[str]]] = {}
+    for v in variants:
+        for reward, grid in grids.items():
+            for pt in sweep.variant_points(grid, v):
+                points.setdefault((v, sweep.point_label(pt)), (pt, []))[1].append(reward)
+    return {(v, label): (pt, sweep.plan(root / "tune" / label, rewards, [v], seeds))
+            for (v, label), (pt, rewards) in points.items()}
 
 
 def tune_methods(args, root: Path, variants: list[str], sft: str, rm: str, commands: list[str], keep, restore,
                  run_dirs: list[Path]) -> dict | None:
     """Run the tuning runs (restored from ``--records`` where finished; their folders join ``run_dirs``, which
     ``keep`` archives) and choose each method's point (:func:`choose_points`, also written to ``tuning.json``)."""
-    if args.grid == [{}]:
+    if not args.tuned:
         return None
-    tune = tuning_plan(root, args.grid, args.rewards, variants, args.tune_seeds)
+    tune = tuning_plan(root, args.grids, variants, args.tune_seeds)
     tune_specs = [s for _, sp in tune.values() for s in sp]
     run_dirs += [s.out for s in tune_specs]
     if restore is not None:
@@ -473,6 +497,7 @@ def main(argv=None) -> int:
     results = sweep.collect(specs)
     settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards",
                                               "dpo_steps", "tune_grid", "tune_seeds")}
+    settings["tune_grids"] = {r: args.tune_grid_gold if r == "gold" else args.tune_grid for r in args.rewards}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     commands = [c.replace(f"{REPO}/", "") for c in commands]  # run from the checkout: its paths relative to it
     path = write_report(Path(args.report), results, settings=settings, commands=commands,

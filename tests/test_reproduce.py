@@ -259,8 +259,40 @@ def test_the_full_sweeps_defaults_have_the_power_issue_30_asks_for():
     args = parse_args([])
     assert len(args.seeds) >= 5 and args.steps >= 100 and args.eval_samples >= 512  # 256 test prompts when halved
     assert {"ppo", "n5", "n10", "parsing", "ppl", "lowprob", "mc_macro", "grpo", "rloo"} <= set(args.variants)
-    assert {k for pt in args.grid for k in pt} == {"actor_learning_rate", "kl_ctl", "lam"} and len(args.grid) == 8
-    assert not set(args.tune_seeds) & set(args.seeds) and parse_args(["--quick"]).grid == [{}]
+    for grid in args.grids.values():
+        assert {k for pt in grid for k in pt} == {"actor_learning_rate", "kl_ctl", "lam"} and len(grid) == 8
+    assert not set(args.tune_seeds) & set(args.seeds) and not parse_args(["--quick"]).tuned
+
+
+def test_the_gold_rewards_grid_is_the_reward_models_with_beta_scaled_to_the_gold_scores_spread(tmp_path):
+    """The same points but for β, which is the reward model's × 0.05 (the ratio of the two scores' standard errors
+    on the SFT policy's held-out answers); a --tune_grid given alone is every reward's; tuning one reward of a
+    sweep and not the other is refused."""
+    from reproduce import parse_args
+
+    grids = parse_args([]).grids
+    assert len(grids["gold"]) == len(grids["rm"]) == 8
+    for gold, rm in zip(grids["gold"], grids["rm"]):
+        assert {k: v for k, v in gold.items() if k != "kl_ctl"} == {k: v for k, v in rm.items() if k != "kl_ctl"}
+        assert float(gold["kl_ctl"]) == pytest.approx(0.05 * float(rm["kl_ctl"]))
+    same = parse_args(["--tune_grid", "kl_ctl=0.1,0.2"]).grids
+    assert same["gold"] == same["rm"] == [{"kl_ctl": "0.1"}, {"kl_ctl": "0.2"}]
+    assert parse_args(["--tune_grid", "kl_ctl=0.1", "--tune_grid_gold", "kl_ctl=0.01"]).grids["gold"] == [
+        {"kl_ctl": "0.01"}]
+    assert not parse_args(["--tune_grid", ""]).tuned
+    proc = subprocess.run([sys.executable, "scripts/reproduce.py", "--dry_run", "--tune_grid_gold", ""], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "tune every reward" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "scripts/reproduce.py", "--dry_run", "--tune_grid_gold", "kl=1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--tune_grid_gold: step 3 has no flag --kl" in proc.stderr, proc.stderr
+    from reproduce import tuning_plan  # each reward's runs at its own grid's points, a shared point once for both
+
+    tune = tuning_plan(tmp_path, {"gold": sweep.parse_grid("kl_ctl=0.01,0.1"), "rm": sweep.parse_grid("kl_ctl=0.1,1")},
+                       ["ppo"], [101])
+    assert {label: [(s.reward, s.out) for s in specs] for (_, label), (_, specs) in tune.items()} == {
+        f"kl_ctl={kl}": [(r, tmp_path / "tune" / f"kl_ctl={kl}" / r / "ppo" / "seed101") for r in rewards]
+        for kl, rewards in (("0.01", ["gold"]), ("0.1", ["gold", "rm"]), ("1", ["rm"]))}
 
 
 def test_the_full_sweep_starts_from_the_main_jobs_reward_model(tmp_path):
@@ -318,7 +350,7 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
         assert f"/test/actor_learning_rate={best[variant]}/gold/{variant}/seed" in line, line
     from reproduce import choose_points, tuning_plan
 
-    tune = tuning_plan(out, sweep.parse_grid("actor_learning_rate=1e-5,3e-5"), ["gold"], ["ppo", "n5"], [101])
+    tune = tuning_plan(out, {"gold": sweep.parse_grid("actor_learning_rate=1e-5,3e-5")}, ["ppo", "n5"], [101])
     tuning = choose_points(tune, ["gold"], ["ppo", "n5"])
     assert tuning["gold"]["n5"]["chosen"]["point"] == {"actor_learning_rate": "3e-5"}
     assert tuning["gold"]["ppo"]["scores"] == {"actor_learning_rate=1e-5": [0.6], "actor_learning_rate=3e-5": [0.5]}

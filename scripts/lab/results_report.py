@@ -351,10 +351,14 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
 def tuning_section(tuning: dict, settings: dict) -> list[str]:
     """Each method's grid and what it chose: the mean final gold score on the validation prompts at every grid
     point over the tuning seeds (and each seed's, when more than one), the chosen one in bold."""
+    grids = settings.get("tune_grids") or {}  # reward -> its grid, where the rewards' grids differ
     lines = ["## Settings chosen on the validation prompts", "",
-             f"Every method ran at every point of `--tune_grid {settings.get('tune_grid')}` with seeds "
-             f"{settings.get('tune_seeds')}, evaluated on the validation half of the held-out prompts; the point with "
-             "its best mean final gold score is the one reported below (fresh seeds, the test half).", ""]
+             f"Every method ran at every point of its reward's grid (`--tune_grid {settings.get('tune_grid')}`"
+             + (f" and, for the gold reward, `--tune_grid_gold {grids['gold']}`) "
+                if grids.get("gold", settings.get("tune_grid")) != settings.get("tune_grid") else ") ")
+             + f"with seeds {settings.get('tune_seeds')}, evaluated on the validation half of the held-out prompts; "
+             "the point with its best mean final gold score is the one reported below (fresh seeds, the test half).",
+             ""]
     for reward, by in tuning.items():
         labels = list(dict.fromkeys(label for v in by.values() for label in v["scores"]))
         if not labels:
