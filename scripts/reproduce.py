@@ -58,10 +58,11 @@ from marlhf.config import RLHFArgs  # noqa: E402
 # the variants issue 30 names (and n = ∞); --variants adds the others (σ, ratio, randomized, word, Dr. GRPO, REINFORCE)
 CORE = ["ppo", "n5", "n10", "ninf", "parsing", "ppl", "lowprob", "mc_macro", "grpo", "rloo"]
 FULL = dict(variants=CORE, rewards=["gold", "rm"], seeds=[1, 2, 3, 4, 5], steps=100,
-            eval_interval=10, eval_samples=512, dpo_steps=100,
+            eval_interval=10, tune_eval_interval=0, eval_samples=512, dpo_steps=100,
             tune_grid="actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0",
             tune_grid_gold="actor_learning_rate=3e-5,1e-4 kl_ctl=0.0025,0.025 lam=0.95,1.0")
-QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, eval_samples=8,
+QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, tune_eval_interval=0,
+             eval_samples=8,
              dpo_steps=3, tune_grid="", tune_grid_gold="")
 SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
                  REPO.parent / "shared") / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
@@ -80,7 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--rewards", nargs="+", choices=list(sweep.REWARDS), help="Default: gold rm.")
     p.add_argument("--seeds", type=int, nargs="+", help="Default: 1 2 3 4 5.")
     p.add_argument("--steps", type=int, help="Step-3 PPO steps per run (default 100).")
-    p.add_argument("--eval_interval", type=int, help="Held-out evaluation every k steps (default 10).")
+    p.add_argument("--eval_interval", type=int,
+                   help="Held-out evaluation (and a checkpoint) every k steps (default 10).")
+    p.add_argument("--tune_eval_interval", type=int, help="Held-out evaluation of the tuning runs every k steps "
+                   "(default 0: before and after only, as the choice reads the final validation score; evaluation "
+                   "draws from its own random stream, so training is the same either way; checkpoints stay every "
+                   "--eval_interval steps). About half of a tuning run's time is evaluation every 10 steps.")
     p.add_argument("--eval_samples", type=int, help="Held-out prompts (default 512: 256 validation + 256 test).")
     p.add_argument("--dpo_steps", type=int, help="DPO's own budget of optimizer steps per seed on the reward "
                    "model's preference pairs (default 100; 0: no DPO).")
@@ -192,13 +198,16 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
     return args.sft or str(base / "step1"), args.rm or rm, commands
 
 
-def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str, own: tuple[str, ...] = ()) -> tuple[list[str], dict]:
-    """The launch script and environment of one run; ``own``: its grid point's flags and held-out half."""
+def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str, own: tuple[str, ...] = (),
+                  eval_interval: int | None = None) -> tuple[list[str], dict]:
+    """The launch script and environment of one run; ``own``: its grid point's flags and held-out half;
+    ``eval_interval``: its held-out evaluation's (default ``--eval_interval``; checkpoints stay at that one)."""
     variant = sweep.VARIANTS[spec.variant]
     reward_flags, _ = sweep.REWARDS[spec.reward]
     extra = [*shlex.split(args.step3_args), *variant.flags, *reward_flags, *own, "--seed", str(spec.seed),
              "--data_seed", "1234",
-             "--max_steps", str(args.steps), "--eval_interval", str(args.eval_interval),
+             "--max_steps", str(args.steps),
+             "--eval_interval", str(args.eval_interval if eval_interval is None else eval_interval),
              "--max_eval_samples", str(args.eval_samples), "--save_steps", str(args.eval_interval), "--resume"]
     if spec.reward == "gold":  # the critic learns gold returns from a new head on the SFT model (a reward
         # model's head starts on the wrong scale and steers the first updates); the RM still scores held-out
@@ -321,19 +330,21 @@ def dpo_track(args, root: Path, sft: str, rm: str, specs: list[sweep.RunSpec], c
 
 
 def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, commands: list[str], keep,
-              what: str) -> None:
-    """Run the unfinished ``specs`` (``--parallel`` at a time), each with its ``own[spec.out]`` flags, adding one
-    command line per (reward, variant, flags) to ``commands`` with the seed as a shell variable."""
+              what: str, eval_interval: int | None = None) -> None:
+    """Run the unfinished ``specs`` (``--parallel`` at a time), each with its ``own[spec.out]`` flags and
+    ``eval_interval`` (default ``--eval_interval``), adding one command line per (reward, variant, flags,
+    evaluation interval) to ``commands`` with the seed as a shell variable; a finished run's line has the interval
+    it ran with (its ``args.json``), so the commands stay true of records made under another setting."""
     todo = sweep.missing(specs)
     print(f"{what}: {len(specs)} runs, {len(specs) - len(todo)} done, {len(todo)} to run", flush=True)
+    interval = {s.out: recorded_eval_interval(s.out, eval_interval) for s in specs}
     seen = set()
     for spec in specs:
-        flags = own.get(spec.out, ())
-        if (spec.reward, spec.variant, flags) not in seen:
-            seen.add((spec.reward, spec.variant, flags))
-            cmd, env = step3_command(spec, args, sft, rm, flags)
-            seeds = sorted({s.seed for s in specs if (s.reward, s.variant) == (spec.reward, spec.variant)
-                            and own.get(s.out, ()) == flags})
+        flags, key = own.get(spec.out, ()), (spec.reward, spec.variant, own.get(spec.out, ()), interval[spec.out])
+        if key not in seen:
+            seen.add(key)
+            cmd, env = step3_command(spec, args, sft, rm, flags, interval[spec.out])
+            seeds = sorted({s.seed for s in specs if (s.reward, s.variant, own.get(s.out, ()), interval[s.out]) == key})
             line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
             line = line.replace(f"--seed {spec.seed} ", "--seed $SEED ").replace(f"/seed{spec.seed}", "/seed$SEED")
             commands.append(f"for SEED in {' '.join(map(str, seeds))}; do {line}; done")
@@ -341,12 +352,21 @@ def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, co
     for i in range(0, len(pending), args.parallel):
         chunk = pending[i:i + args.parallel]
         t0 = time.time()
-        run_together([(*step3_command(s, args, sft, rm, own.get(s.out, ())), s.out / "training.log") for s in chunk],
-                     args.dry_run, args.lock)
+        run_together([(*step3_command(s, args, sft, rm, own.get(s.out, ()), eval_interval), s.out / "training.log")
+                      for s in chunk], args.dry_run, args.lock)
         for s in chunk:
             print(f"[{specs.index(s) + 1}/{len(specs)}] {os.path.relpath(s.out, Path(args.out).resolve())}: "
                   f"{time.time() - t0:.0f} s" + (f" ({len(chunk)} at once)" if len(chunk) > 1 else ""), flush=True)
         keep()
+
+
+def recorded_eval_interval(out: Path, default: int | None) -> int | None:
+    """The ``--eval_interval`` a finished run (``out/summary.json``) ran with, from its ``args.json``; ``default``
+    for a run still to do (or one whose arguments were not kept)."""
+    args_file = out / "args.json"
+    if not (out / "summary.json").exists() or not args_file.exists():
+        return default
+    return json.loads(args_file.read_text()).get("eval_interval", default)
 
 
 def tuning_plan(root: Path, grids: dict[str, list[dict]], variants: list[str],
@@ -376,7 +396,7 @@ def tune_methods(args, root: Path, variants: list[str], sft: str, rm: str, comma
         print(f"restored {restore([s.out for s in tune_specs])} files of finished tuning runs from {args.records}",
               flush=True)
     own = {s.out: (*sweep.point_flags(pt), "--eval_prompts", "validation") for pt, sp in tune.values() for s in sp}
-    run_specs(tune_specs, args, sft, rm, own, commands, keep, "tuning")
+    run_specs(tune_specs, args, sft, rm, own, commands, keep, "tuning", args.tune_eval_interval)
     tuning = choose_points(tune, args.rewards, variants)
     if not (args.dry_run or args.report_only):  # the sweep's choice; a report of some of its runs leaves it be
         root.mkdir(parents=True, exist_ok=True)
@@ -495,8 +515,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     results = sweep.collect(specs)
-    settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards",
-                                              "dpo_steps", "tune_grid", "tune_seeds")}
+    settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "tune_eval_interval", "eval_samples", "seeds",
+                                              "rewards", "dpo_steps", "tune_grid", "tune_seeds")}
     settings["tune_grids"] = {r: args.tune_grid_gold if r == "gold" else args.tune_grid for r in args.rewards}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     commands = [c.replace(f"{REPO}/", "") for c in commands]  # run from the checkout: its paths relative to it

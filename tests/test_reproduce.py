@@ -348,6 +348,7 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
         variant = "ppo" if "/gold/ppo/" in line else "n5"
         assert f"--actor_learning_rate {best[variant]} --eval_prompts test --seed " in line, line
         assert f"/test/actor_learning_rate={best[variant]}/gold/{variant}/seed" in line, line
+        assert "--eval_interval 10 " in line and "--save_steps 10 " in line, line
     from reproduce import choose_points, tuning_plan
 
     tune = tuning_plan(out, {"gold": sweep.parse_grid("actor_learning_rate=1e-5,3e-5")}, ["ppo", "n5"], [101])
@@ -373,6 +374,28 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
         proc = subprocess.run([*cmd[:-2], *bad, *([] if "--tune_grid" in bad else cmd[-2:])], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_tuning_runs_evaluate_before_and_after_only_and_the_commands_keep_each_runs_own_interval(tmp_path):
+    """A tuning run still to do evaluates at its start and end only (--tune_eval_interval 0, the default) and keeps
+    a checkpoint every --eval_interval steps; a finished run's command line says the interval it ran with (its
+    args.json: 10 for the records made before the flag), so the report's commands stay true of every record."""
+    from reproduce import parse_args, run_specs
+
+    args = parse_args(["--report_only"])
+    assert (args.tune_eval_interval, args.eval_interval) == (0, 10)
+    specs = [sweep.RunSpec("gold", "ppo", seed, tmp_path / "tune" / "kl_ctl=0.1" / "gold" / "ppo" / f"seed{seed}")
+             for seed in (101, 102, 103)]
+    for spec, recorded in zip(specs[:2], (10, None)):
+        fake_run(spec.out, 4, {0: 0.4, 4: 0.5}, rm=0.0, seed_kl=0.01)
+        if recorded is not None:
+            (spec.out / "args.json").write_text(json.dumps({"eval_interval": recorded, "seed": spec.seed}))
+    commands: list[str] = []
+    run_specs(specs, args, "S", "R", {}, commands, lambda: None, "tuning", args.tune_eval_interval)
+    assert len(commands) == 2, commands
+    assert commands[0].startswith("for SEED in 101; do") and "--eval_interval 10 " in commands[0]
+    assert commands[1].startswith("for SEED in 102 103; do") and "--eval_interval 0 " in commands[1]
+    assert all("--save_steps 10 " in c and "--seed $SEED " in c for c in commands), commands
 
 
 def test_reported_runs_belong_to_their_point_so_a_changed_choice_runs_the_new_points_seeds(tmp_path):

@@ -110,6 +110,23 @@ def test_resume_gives_the_same_weights(nano, tmp_path):
     assert [r["step"] for r in train_rows(tmp_path / "stopped")] == [2, 3]
 
 
+def test_evaluating_along_the_way_does_not_change_training(nano, tmp_path):
+    """Held-out evaluation draws from its own random stream: a run evaluated after every step ends with the same
+    weights and the same final evaluation as one evaluated before and after only (what lets the reproduction
+    sweep's tuning runs skip the evaluations in the middle)."""
+    main = load_main(STEP3)
+    for name, every in (("every", "1"), ("ends", "0")):
+        main(step3_argv(nano, tmp_path / name, "--max_steps", "3", "--eval_interval", every))
+    assert [m["step"] for m in read_metrics(tmp_path / "every") if "eval/rm_score" in m] == [1, 2]
+    assert not [m for m in read_metrics(tmp_path / "ends") if "eval/rm_score" in m]
+    for part in ("actor", "critic"):
+        every = load_file(tmp_path / "every" / part / "model.safetensors")
+        ends = load_file(tmp_path / "ends" / part / "model.safetensors")
+        assert all(torch.equal(every[k], ends[k]) for k in every), part
+    final = [json.loads((tmp_path / name / "summary.json").read_text())["final_policy"] for name in ("every", "ends")]
+    assert final[0] == final[1] and "rm_score" in final[0]
+
+
 MP_LORA = ["--enable_mixed_precision_lora", "--actor_lora_dim", "4", "--actor_zero_stage", "3", "--only_optimize_lora"]
 
 

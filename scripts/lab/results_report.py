@@ -357,7 +357,9 @@ def tuning_section(tuning: dict, settings: dict) -> list[str]:
              + (f" and, for the gold reward, `--tune_grid_gold {grids['gold']}`) "
                 if grids.get("gold", settings.get("tune_grid")) != settings.get("tune_grid") else ") ")
              + f"with seeds {settings.get('tune_seeds')}, evaluated on the validation half of the held-out prompts; "
-             "the point with its best mean final gold score is the one reported below (fresh seeds, the test half).",
+             "the point with its best mean final gold score is the one reported below (fresh seeds, the test half). "
+             "Evaluation draws from its own random stream, so how often a tuning run was evaluated along the way "
+             "(the commands below say) does not change its training.",
              ""]
     for reward, by in tuning.items():
         labels = list(dict.fromkeys(label for v in by.values() for label in v["scores"]))
