@@ -516,7 +516,7 @@ def main(argv=None) -> int:
         return 0
     results = sweep.collect(specs)
     settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "tune_eval_interval", "eval_samples", "seeds",
-                                              "rewards", "dpo_steps", "tune_grid", "tune_seeds")}
+                                              "rewards", "dpo_steps", "tune_seeds")}
     settings["tune_grids"] = {r: args.tune_grid_gold if r == "gold" else args.tune_grid for r in args.rewards}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     commands = [c.replace(f"{REPO}/", "") for c in commands]  # run from the checkout: its paths relative to it

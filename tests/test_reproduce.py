@@ -357,15 +357,16 @@ def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
     assert tuning["gold"]["ppo"]["scores"] == {"actor_learning_rate=1e-5": [0.6], "actor_learning_rate=3e-5": [0.5]}
     text = write_report(tmp_path / "r.md", {}, settings={"seeds": [1, 2], "steps": 4, "eval_interval": 4,
                                                          "eval_samples": 8, "rewards": ["gold"],
-                                                         "tune_grid": "actor_learning_rate=1e-5,3e-5",
+                                                         "tune_grids": {"gold": "actor_learning_rate=1e-5,3e-5"},
                                                          "tune_seeds": [101]},
                         commands=[], missing=[], unavailable={}, invocation="test", tuning=tuning).read_text()
     assert "| PPO (n = 1) | **0.600** | 0.500 |" in text and "| MA-PPO n = 5 | 0.500 | **0.600** |" in text
     assert "every 4 steps on the 4-prompt test half of 8 held-out prompts (the other half chose" in text
+    assert "its reward's grid (gold: `--tune_grid_gold actor_learning_rate=1e-5,3e-5`) with seeds [101]" in text
     tuning["gold"]["ppo"]["scores"]["actor_learning_rate=1e-5"] = [0.7, 0.5]  # two tuning seeds: each one shown
     text = write_report(tmp_path / "r.md", {}, settings={"seeds": [1, 2], "steps": 4, "eval_interval": 4,
                                                          "eval_samples": 8, "rewards": ["gold"],
-                                                         "tune_grid": "actor_learning_rate=1e-5,3e-5",
+                                                         "tune_grids": {"gold": "actor_learning_rate=1e-5,3e-5"},
                                                          "tune_seeds": [101, 102]},
                         commands=[], missing=[], unavailable={}, invocation="test", tuning=tuning).read_text()
     assert "| PPO (n = 1) | **0.600 (0.700 / 0.500)** | 0.500 |" in text

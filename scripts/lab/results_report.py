@@ -295,7 +295,7 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
              f"{settings['steps']} PPO steps per run; held-out evaluation every {settings['eval_interval']} steps on "
              + (f"the {settings['eval_samples'] // 2}-prompt test half of "
                 f"{settings['eval_samples']} held-out prompts (the other half chose the settings)."
-                if settings.get("tune_grid") else f"{settings['eval_samples']} prompts."),
+                if any((settings.get("tune_grids") or {}).values()) else f"{settings['eval_samples']} prompts."),
              "- Values are means over seeds ± the half-width of the 95% Student-t interval. Steps-to-parity: "
              "the first evaluated step at which the variant's seed-mean reaches PPO's final seed-mean, as a "
              "fraction of PPO's steps (< 1: faster than PPO; 0: already at step 0), with its 95% percentile "
@@ -351,11 +351,11 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
 def tuning_section(tuning: dict, settings: dict) -> list[str]:
     """Each method's grid and what it chose: the mean final gold score on the validation prompts at every grid
     point over the tuning seeds (and each seed's, when more than one), the chosen one in bold."""
-    grids = settings.get("tune_grids") or {}  # reward -> its grid, where the rewards' grids differ
+    grids = settings.get("tune_grids") or {}  # reward -> the text of its grid
+    flags = "; ".join(f"{reward}: `{'--tune_grid_gold' if reward == 'gold' else '--tune_grid'} {grid}`"
+                      for reward, grid in grids.items())
     lines = ["## Settings chosen on the validation prompts", "",
-             f"Every method ran at every point of its reward's grid (`--tune_grid {settings.get('tune_grid')}`"
-             + (f" and, for the gold reward, `--tune_grid_gold {grids['gold']}`) "
-                if grids.get("gold", settings.get("tune_grid")) != settings.get("tune_grid") else ") ")
+             f"Every method ran at every point of its reward's grid ({flags}) "
              + f"with seeds {settings.get('tune_seeds')}, evaluated on the validation half of the held-out prompts; "
              "the point with its best mean final gold score is the one reported below (fresh seeds, the test half). "
              "Evaluation draws from its own random stream, so how often a tuning run was evaluated along the way "
