@@ -62,8 +62,7 @@ FULL = dict(variants=CORE, rewards=["gold", "rm"], seeds=[1, 2, 3, 4, 5], steps=
             tune_grid="actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0",
             tune_grid_gold="actor_learning_rate=3e-5,1e-4 kl_ctl=0.0025,0.025 lam=0.95,1.0")
 QUICK = dict(variants=["ppo", "n5"], rewards=["gold"], seeds=[1, 2], steps=3, eval_interval=1, tune_eval_interval=0,
-             eval_samples=8,
-             dpo_steps=3, tune_grid="", tune_grid_gold="")
+             eval_samples=8, dpo_steps=3, tune_grid="", tune_grid_gold="")
 SHARED_HH = next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if (p / "data").is_dir()),
                  REPO.parent / "shared") / "data/hh-rlhf/harmless-base-test-part.jsonl.gz"
 MAINS = {1: "training/step1_supervised_finetuning/main.py", 2: "training/step2_reward_model_finetuning/main.py",
@@ -86,7 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--tune_eval_interval", type=int, help="Held-out evaluation of the tuning runs every k steps "
                    "(default 0: before and after only, as the choice reads the final validation score; evaluation "
                    "draws from its own random stream, so training is the same either way; checkpoints stay every "
-                   "--eval_interval steps). About half of a tuning run's time is evaluation every 10 steps.")
+                   "--eval_interval steps).")
     p.add_argument("--eval_samples", type=int, help="Held-out prompts (default 512: 256 validation + 256 test).")
     p.add_argument("--dpo_steps", type=int, help="DPO's own budget of optimizer steps per seed on the reward "
                    "model's preference pairs (default 100; 0: no DPO).")
@@ -338,13 +337,13 @@ def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, co
     todo = sweep.missing(specs)
     print(f"{what}: {len(specs)} runs, {len(specs) - len(todo)} done, {len(todo)} to run", flush=True)
     interval = {s.out: recorded_eval_interval(s.out, eval_interval) for s in specs}
+    group = {s.out: (s.reward, s.variant, own.get(s.out, ()), interval[s.out]) for s in specs}
     seen = set()
     for spec in specs:
-        flags, key = own.get(spec.out, ()), (spec.reward, spec.variant, own.get(spec.out, ()), interval[spec.out])
-        if key not in seen:
-            seen.add(key)
-            cmd, env = step3_command(spec, args, sft, rm, flags, interval[spec.out])
-            seeds = sorted({s.seed for s in specs if (s.reward, s.variant, own.get(s.out, ()), interval[s.out]) == key})
+        if group[spec.out] not in seen:
+            seen.add(group[spec.out])
+            cmd, env = step3_command(spec, args, sft, rm, own.get(spec.out, ()), interval[spec.out])
+            seeds = sorted({s.seed for s in specs if group[s.out] == group[spec.out]})
             line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd)
             line = line.replace(f"--seed {spec.seed} ", "--seed $SEED ").replace(f"/seed{spec.seed}", "/seed$SEED")
             commands.append(f"for SEED in {' '.join(map(str, seeds))}; do {line}; done")
@@ -352,7 +351,7 @@ def run_specs(specs: list[sweep.RunSpec], args, sft: str, rm: str, own: dict, co
     for i in range(0, len(pending), args.parallel):
         chunk = pending[i:i + args.parallel]
         t0 = time.time()
-        run_together([(*step3_command(s, args, sft, rm, own.get(s.out, ()), eval_interval), s.out / "training.log")
+        run_together([(*step3_command(s, args, sft, rm, own.get(s.out, ()), interval[s.out]), s.out / "training.log")
                       for s in chunk], args.dry_run, args.lock)
         for s in chunk:
             print(f"[{specs.index(s) + 1}/{len(specs)}] {os.path.relpath(s.out, Path(args.out).resolve())}: "
@@ -515,8 +514,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     results = sweep.collect(specs)
-    settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "tune_eval_interval", "eval_samples", "seeds",
-                                              "rewards", "dpo_steps", "tune_seeds")}
+    settings = {k: getattr(args, k) for k in ("steps", "eval_interval", "eval_samples", "seeds", "rewards",
+                                              "dpo_steps", "tune_seeds")}
     settings["tune_grids"] = {r: args.tune_grid_gold if r == "gold" else args.tune_grid for r in args.rewards}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
     commands = [c.replace(f"{REPO}/", "") for c in commands]  # run from the checkout: its paths relative to it
