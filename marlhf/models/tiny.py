@@ -56,6 +56,17 @@ TINY_SIZES: dict[str, dict] = {
         head_dim=64,
         tie_word_embeddings=True,
     ),
+    # ~14M: the tiny model at twice the width, for a reward model larger than the policy (over-optimisation
+    # shrinks as the reward model grows: Gao et al. 2022; measured in docs/results/rm_levers.md).
+    "small": dict(
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
     # ~3.9M: GPT-2 style (learned positions, LayerNorm, GELU MLP) for the OPT/GPT-2 family of launchers.
     "tiny-gpt2": dict(
         model_type="gpt2",
