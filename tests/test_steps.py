@@ -125,6 +125,35 @@ def test_max_steps_inside_an_epoch_still_evaluates_the_final_model(embedded, tmp
     assert [m["step"] for m in eval_history(tmp_path / "o")] == [0, 2]
 
 
+def run_log_handlers() -> list:
+    import logging
+
+    return [h for h in logging.getLogger("marlhf").handlers if isinstance(h, logging.FileHandler)]
+
+
+def test_a_run_in_process_closes_its_log_file_when_it_ends_or_fails(embedded, tmp_path, monkeypatch):
+    """After main returns or raises, nothing holds the run's train.log: later logging in the same process goes to
+    no run's file, and does not fail once the folder is gone (as pytest removes a passed test's tmp_path)."""
+    import logging
+
+    from deepspeed.accelerator import get_accelerator
+
+    out = tmp_path / "o"
+    load_main(STEP1)(sft_argv(out, tmp_path / "d", "--max_steps", "1"))
+    assert run_log_handlers() == []
+    logging.getLogger("marlhf.after").info("logged after the run")
+    text = (out / "train.log").read_text()
+    assert "command:" in text and "logged after the run" not in text
+    shutil.rmtree(out)
+    logging.getLogger("marlhf.after").info("logged after its folder was removed")  # raised FileNotFoundError before
+    # a run refused after it started (its log open) leaves nothing behind either
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    with pytest.raises(RuntimeError, match="fp16 needs an accelerator"):
+        load_main(STEP1)(sft_argv(tmp_path / "bad", tmp_path / "d", "--dtype", "fp16", "--max_steps", "1"))
+    assert "command:" in (tmp_path / "bad" / "train.log").read_text()
+    assert run_log_handlers() == []
+
+
 def test_fp16_without_accelerator_support_fails_with_the_reason(embedded, tmp_path, monkeypatch):
     """Where the accelerator has no fp16 (most CPUs), the run stops before training, saying why."""
     from deepspeed.accelerator import get_accelerator

@@ -6,6 +6,7 @@ Past this point the library receives sections and explicit values, not the flags
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from marlhf.data.formatting import ConversationFormat
@@ -16,6 +17,7 @@ from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine, model_path
 from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
 from marlhf.tasks import Task, resolve_task, response_kind
 from marlhf.utils.run import record_run_context, setup_run
+from marlhf.utils.tracking import close_run_log
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,20 @@ class Started:
     tokenizer: object
     fmt: ConversationFormat
     task: Task | None
+
+
+def entry_point(main):
+    """A training entry point's ``main(argv)``: the log file :func:`start` opened is closed when it returns or
+    raises, so a run called in-process (a notebook, a test) leaves no handler on its folder behind."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(argv)
+        finally:
+            close_run_log()
+
+    return run
 
 
 def start(args, model_flag: str, padding_side: str = "right", model: str | None = None) -> Started:

@@ -8,7 +8,7 @@ start from the SFT model. The result is a plain Hugging Face causal LM, evaluate
 
 import sys
 
-from marlhf.cli._run import start
+from marlhf.cli._run import entry_point, start
 from marlhf.config import DPOArgs, parse_args
 from marlhf.data.pipeline import DataSection, build_phase_data
 from marlhf.dpo import dpo_objective
@@ -22,6 +22,7 @@ from marlhf.utils.ds_engine import frozen_engine, with_learning_rate
 from marlhf.utils.run import record_run_context
 
 
+@entry_point
 def main(argv=None):
     args, _ = parse_args(DPOArgs, argv)
     # 1. the run, its tokenizer and the reward model's share of the data: (prompt, chosen, rejected) pairs

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from marlhf.cli._run import reward_source, start
+from marlhf.cli._run import entry_point, reward_source, start
 from marlhf.config import PolicyEvalArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part
@@ -30,6 +30,7 @@ from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
 
 
+@entry_point
 def main(argv=None):
     args, _ = parse_args(PolicyEvalArgs, argv)
     # 1. the policy (a step-3 output folder: its actor/), its tokenizer and format, and step 3's held-out prompts

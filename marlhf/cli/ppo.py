@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from marlhf.cli._run import start, step3_context, step3_trainer
+from marlhf.cli._run import entry_point, start, step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
@@ -30,6 +30,7 @@ from marlhf.utils.checkpoint import resumed_record
 from marlhf.utils.run import record_run_context
 
 
+@entry_point
 def main(argv=None):
     args, _ = parse_args(RLHFArgs, argv)
     # 1. the run: tokenizer (left padding for generation), format (the flags, else what step 1 recorded in the

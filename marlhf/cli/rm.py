@@ -10,7 +10,7 @@ plain transformers then loads the score head only, load_reward_model both.
 
 import sys
 
-from marlhf.cli._run import start
+from marlhf.cli._run import entry_point, start
 from marlhf.config import RewardArgs, parse_args
 from marlhf.data.pipeline import DataSection, build_phase_data
 from marlhf.errors import run_cli
@@ -23,6 +23,7 @@ from marlhf.utils.ds_engine import with_learning_rate
 from marlhf.utils.run import record_run_context
 
 
+@entry_point
 def main(argv=None):
     args, _ = parse_args(RewardArgs, argv)
     # 1. the run, its tokenizer and the reward-model share of the data: (chosen, rejected) pairs

@@ -7,7 +7,7 @@ With no --model_name_or_path the embedded tiny model is used (built offline on f
 
 import sys
 
-from marlhf.cli._run import start
+from marlhf.cli._run import entry_point, start
 from marlhf.config import SFTArgs, parse_args
 from marlhf.data.pipeline import DataSection, build_phase_data
 from marlhf.errors import run_cli
@@ -20,6 +20,7 @@ from marlhf.utils.ds_engine import with_learning_rate
 from marlhf.utils.run import record_run_context
 
 
+@entry_point
 def main(argv=None):
     args, _ = parse_args(SFTArgs, argv)
     # 1. the run, its tokenizer and format (the flags, else the model folder's own; recorded on export) and the

@@ -20,6 +20,8 @@ def setup_logging(output_dir: str | None = None, level: int = logging.INFO) -> N
     fmt = logging.Formatter(f"%(asctime)s {tag}%(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("marlhf")
     root.setLevel(level)
+    for old in root.handlers:  # a handler replaced is closed, not left holding its file
+        old.close()
     root.handlers.clear()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(fmt)
@@ -31,6 +33,15 @@ def setup_logging(output_dir: str | None = None, level: int = logging.INFO) -> N
         fh.setFormatter(fmt)
         root.addHandler(fh)
     root.propagate = False
+
+
+def close_run_log() -> None:
+    """Detach and close the run's ``train.log`` (console logging stays): whatever runs next in the same process
+    — another run, a library call — must not write into, or fail on, a finished run's log."""
+    root = logging.getLogger("marlhf")
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 class Tracker:
