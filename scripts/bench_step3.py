@@ -66,6 +66,7 @@ from marlhf.rlhf.advantages import estimator_class  # noqa: E402
 from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer  # noqa: E402
 from marlhf.tasks import resolve_task  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
+from marlhf.utils.machine import cpu_name  # noqa: E402
 from marlhf.utils.perf import PeakRSS, matmul_peak_gflops, tensor_megabytes  # noqa: E402
 from marlhf.utils.timing import NO_TIMER, PhaseTimer  # noqa: E402
 
@@ -152,10 +153,7 @@ def variant_args(name: str, argv: list[str], batch: int) -> RLHFArgs:
 
 
 def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-             if ln.startswith("model name")]
-    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
+    return f"{cpu_name()}, {os.cpu_count()} logical CPUs"
 
 
 # ------------------------------------------------------------------------------------------ one step

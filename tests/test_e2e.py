@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO
 
 from marlhf.data.synthetic import GOLD_COMPONENTS
+from marlhf.utils.machine import machine_info
 
 
 @pytest.mark.slow
@@ -27,6 +28,8 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert summary["step1_final_perplexity"] < 2000  # below the untrained model's ~vocabulary size
     assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
     assert summary["steps"] == 3
+    # step 3's own summary names the machine, so a sweep compares timings only between runs on one kind of CPU
+    assert json.loads((tmp_path / "run/step3/summary.json").read_text())["machine"] == machine_info()
     for policy in ("initial_policy", "final_policy"):
         assert {"rm_score", "gold_score", "response_len", "eos_rate"} <= summary[policy].keys()
         # the gold score's components are reported next to the total (issue 10)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from lab import sweep
-from lab.results_report import equal_kl_claims, frontier_table, summary_table, write_report
+from lab.results_report import claims, equal_kl_claims, frontier_table, summary_table, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 T975_DF2 = 4.302652729911275  # Student-t 97.5% quantile, 2 degrees of freedom (tables)
@@ -23,15 +23,17 @@ T975_DF1 = 12.706204736174696  # and 1 degree of freedom
 
 
 def fake_run(out: Path, steps: int, curve: dict[int, float], rm: float, seed_kl: float,
-             step_seconds: float | None = None, held_out_kl: dict[int, float] | None = None) -> None:
+             step_seconds: float | None = None, held_out_kl: dict[int, float] | None = None,
+             cpu: str | None = None) -> None:
     """A finished step-3 run folder as step 3 writes it: gold_score curve at the given steps (and each step's
-    wall time, ``step_seconds`` x the step's number, when given; the held-out KL at the same steps, when given)."""
+    wall time, ``step_seconds`` x the step's number, when given; the held-out KL at the same steps, when given;
+    the machine the summary names, when ``cpu`` is given)."""
     out.mkdir(parents=True)
     kl = (lambda s: {"kl": held_out_kl[s]}) if held_out_kl else (lambda s: {})
     final = {"gold_score": curve[steps], "rm_score": rm, "response_len": 40.0, "eos_rate": 1.0, **kl(steps)}
     (out / "summary.json").write_text(json.dumps({"steps": steps, "initial_policy": {
         "gold_score": curve[0], "rm_score": 0.0, "response_len": 45.0, "eos_rate": 1.0, **kl(0)},
-        "final_policy": final}))
+        "final_policy": final, **({} if cpu is None else {"machine": {"cpu": cpu, "cores": 2, "gpu": "none"}})}))
     rows = [{"step": s, "train/kl": seed_kl * s, "train/reward": 0.1,
              **({} if step_seconds is None else {"train/step_seconds": step_seconds * s})}
             for s in range(1, steps + 1)]
@@ -141,6 +143,39 @@ def test_time_to_parity_counts_each_variants_own_step_seconds(tmp_path):
     (tmp_path / "gold" / "n5" / "seed2" / "metrics.jsonl").write_text(json.dumps({"step": 4, "eval/gold_score": 0.45}))
     res = sweep.collect(sweep.plan(tmp_path, ["gold"], ["ppo", "n5"], [1, 2]))["gold"]
     assert res["n5"].elapsed is None and math.isnan(sweep.time_to_parity(res["n5"], res["ppo"], "gold_score"))
+
+
+def test_wall_clock_parity_only_between_runs_on_one_kind_of_cpu(tmp_path):
+    """Seconds from two CPUs do not compare: n5 on a machine twice as fast would look twice as quick.  Runs that
+    all name one CPU (or, records of older builds, none) are compared; any other mix gives nan, and the report
+    says why instead of a number."""
+    ppo = {1: {0: 0.1, 4: 0.2, 8: 0.50}, 2: {0: 0.1, 4: 0.3, 8: 0.40}}
+    n5 = {1: {0: 0.1, 4: 0.55, 8: 0.7}, 2: {0: 0.1, 4: 0.45, 8: 0.6}}
+
+    def results(cpus: dict[str, list[str | None]], root: Path) -> dict:
+        for variant, curves in (("ppo", ppo), ("n5", n5)):
+            for (seed, curve), cpu in zip(curves.items(), cpus[variant]):
+                fake_run(root / "gold" / variant / f"seed{seed}", 8, curve, rm=0.0, seed_kl=0.01, step_seconds=1.0,
+                         cpu=cpu)
+        return sweep.collect(sweep.plan(root, ["gold"], ["ppo", "n5"], [1, 2]))["gold"]
+
+    xeon, epyc = "Intel(R) Xeon(R) Processor", "AMD EPYC 7B13"
+    same = results({"ppo": [xeon, xeon], "n5": [xeon, xeon]}, tmp_path / "same")
+    assert same["n5"].cpus == (xeon, xeon) and sweep.timing_mismatch(same["n5"], same["ppo"]) is None
+    assert sweep.time_to_parity(same["n5"], same["ppo"], "gold_score") == pytest.approx(10 / 36)
+    for name, cpus in (("mixed", {"ppo": [epyc, epyc], "n5": [xeon, xeon]}),
+                       ("within", {"ppo": [xeon, xeon], "n5": [xeon, epyc]}),
+                       ("unrecorded", {"ppo": [None, None], "n5": [xeon, xeon]})):
+        res = results(cpus, tmp_path / name)
+        why = sweep.timing_mismatch(res["n5"], res["ppo"])
+        named = sorted(c or "not recorded" for c in {*cpus["ppo"], *cpus["n5"]})
+        assert why == f"the runs ran on different CPUs ({'; '.join(named)})", name
+        assert math.isnan(sweep.time_to_parity(res["n5"], res["ppo"], "gold_score")), name
+        assert sweep.steps_to_parity(res["n5"], res["ppo"], "gold_score") == pytest.approx(0.5)  # steps still do
+        row = {r["variant"]: r for r in summary_table(res, "gold")}["n5"]
+        assert row["time_parity_note_gold_score"] == why
+        text = "\n".join(claims({"gold": summary_table(res, "gold")}))
+        assert f"wall-clock time not compared: {why}" in text and "in wall-clock time at" not in text
 
 
 def test_unfinished_runs_are_missing_not_averaged(runs):

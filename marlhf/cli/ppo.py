@@ -7,7 +7,8 @@
         --data_path synthetic_code --data_split 2,0,8 --reward_source program_tests --output_dir out/ppo-code
 
 Writes <output_dir>/actor (and critic, actor_ema) in Hugging Face format, metrics.jsonl, and
-summary.json comparing the initial (SFT) and final policy on held-out prompts. A critic-free
+summary.json comparing the initial (SFT) and final policy on held-out prompts (and naming the machine, so
+timings are compared only between runs on one kind of CPU). A critic-free
 --advantage_estimator (rloo, grpo, reinforce) builds and writes no critic.
 """
 
@@ -27,6 +28,7 @@ from marlhf.rlhf.ptx import ptx_items
 from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
 from marlhf.utils.checkpoint import resumed_record
+from marlhf.utils.machine import machine_info
 from marlhf.utils.run import record_run_context
 
 
@@ -81,7 +83,7 @@ def main(argv=None):
     if rlhf.ema is not None:
         export_hf(rlhf.ema, tokenizer, out / "actor_ema", args.actor_zero_stage, conversation=fmt)
     if dist.is_main():
-        summary = {"steps": steps, "initial_policy": before, "final_policy": after}
+        summary = {"steps": steps, "initial_policy": before, "final_policy": after, "machine": machine_info()}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary, indent=1))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
 import platform
 from pathlib import Path
 
@@ -27,7 +26,9 @@ from lab.sweep import (
     steps_to_parity,
     t_interval,
     time_to_parity,
+    timing_mismatch,
 )
+from marlhf.utils.machine import machine_info
 
 TABLE_KEYS = ("gold_score", "rm_score", "kl", "train_kl", "response_len", "eos_rate")
 PLOT_KEYS = (("gold_score", "held-out gold score"), ("rm_score", "held-out RM score"),
@@ -41,18 +42,8 @@ def machine() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
-            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-            "os": platform.platform()}
+    return {**machine_info(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__, "os": platform.platform()}
 
 
 def _final(r: VariantResult, key: str) -> tuple[float, float] | None:
@@ -82,6 +73,8 @@ def summary_table(results: dict[str, VariantResult], reward: str) -> list[dict]:
                     row[f"parity_{key}"] = steps_to_parity(r, base, key)
                     row[f"parity_ci_{key}"] = parity_interval(r, base, key)
                     row[f"time_parity_{key}"] = time_to_parity(r, base, key)
+                    if timing_mismatch(r, base):
+                        row[f"time_parity_note_{key}"] = timing_mismatch(r, base)
                 else:
                     row[f"parity_{key}"] = "n/a"
             start = r.mean_curve(key).get(0)
@@ -249,7 +242,9 @@ def claims(tables: dict[str, list[dict]]) -> list[str]:
                     verdict += (" within the claim" if ci[1] is not None and ci[1] <= FASTER else
                                 " — the claim is not established at these seeds")
             t = r.get(f"time_parity_{key}")
-            if t is not None and not (isinstance(t, float) and math.isnan(t)):
+            if r.get(f"time_parity_note_{key}"):
+                verdict += f"; wall-clock time not compared: {r[f'time_parity_note_{key}']}"
+            elif t is not None and not (isinstance(t, float) and math.isnan(t)):
                 verdict += f"; in wall-clock time at {t:.2f} of PPO's run"
             elif t is None and p is not None:
                 verdict += "; in wall-clock time never"
@@ -288,7 +283,8 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
              "(also in [results/results.json](results/results.json)).", "",
              "## Setup", "",
              f"- Report generated on: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu']}; {m['os']} (the runs may have "
-             "run elsewhere: the records carry their numbers, not their machines)",
+             "run elsewhere: each run's `summary.json` names its CPU — runs of older builds do not — and wall-clock "
+             "parity is computed only between runs on one kind of CPU)",
              f"- Versions: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']}, "
              f"transformers {m['transformers']}",
              f"- Seeds: {settings['seeds']} (data split fixed by `--data_seed 1234`); "

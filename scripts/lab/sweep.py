@@ -11,8 +11,8 @@ This module only reads those files and computes: curves with their seed spread, 
 confidence intervals over seeds, and steps-to-parity (the first evaluated step at which a variant's
 seed-mean reaches vanilla PPO's final seed-mean, as a fraction of PPO's steps — the paper's "1.7–2×
 faster", §4.2) with a bootstrap interval over seeds, and the same in wall-clock time (the seconds the
-variant's steps took to get there, as a fraction of PPO's whole run).  ``scripts/reproduce.py`` runs the
-sweep; ``scripts/lab/results_report.py`` writes the report.
+variant's steps took to get there, as a fraction of PPO's whole run; only between runs on one kind of CPU).
+``scripts/reproduce.py`` runs the sweep; ``scripts/lab/results_report.py`` writes the report.
 """
 
 from __future__ import annotations
@@ -118,12 +118,13 @@ def plan(root: Path, rewards: list[str], variants: list[str], seeds: list[int]) 
 # --------------------------------------------------------------------------------------------- reading runs
 def read_run(out: Path) -> dict:
     """One finished run as ``{"steps": S, "curve": {step: {key: value}}, "final": {...}, "train_kl": {step: v},
-    "elapsed": {step: seconds}}``.
+    "elapsed": {step: seconds}, "cpu": name}``.
 
     The curve holds step 0 (``initial_policy.json``), every ``eval/*`` row of ``metrics.jsonl`` and the
     final evaluation at step S (``summary.json``, which wins over an ``eval/*`` row at the same step).
     ``elapsed``: the seconds steps 1..s took together (their ``train/step_seconds``, evaluation excluded),
-    with ``elapsed[0] = 0``; empty when any step did not record its time (runs of older builds)."""
+    with ``elapsed[0] = 0``; empty when any step did not record its time (runs of older builds).  ``cpu``: the
+    CPU its summary names (None: not recorded, runs of older builds)."""
     summary = json.loads((out / "summary.json").read_text())
     steps = int(summary["steps"])
     curve: dict[int, dict] = {0: dict(summary["initial_policy"])}
@@ -149,7 +150,8 @@ def read_run(out: Path) -> dict:
         for s in range(1, steps + 1):
             total += step_seconds[s]
             elapsed[s] = total
-    return {"steps": steps, "curve": curve, "final": curve[steps], "train_kl": train_kl, "elapsed": elapsed}
+    return {"steps": steps, "curve": curve, "final": curve[steps], "train_kl": train_kl, "elapsed": elapsed,
+            "cpu": (summary.get("machine") or {}).get("cpu")}
 
 
 def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
@@ -175,6 +177,7 @@ class VariantResult:
     curves: dict[str, dict[int, list[float]]]  # key -> step -> one value per seed (steps every seed has)
     finals: dict[str, list[float]]  # key -> one final value per seed
     elapsed: dict[int, list[float]] | None = None  # step -> seconds of steps 1..step, one per seed (None: unrecorded)
+    cpus: tuple[str | None, ...] = ()  # the CPU each seed's run names, seed order (None: not recorded)
 
     def mean_curve(self, key: str) -> dict[int, float]:
         return {s: sum(v) / len(v) for s, v in sorted(self.curves.get(key, {}).items())}
@@ -214,7 +217,8 @@ def combine(variant: str, runs: list[tuple[int, dict]]) -> VariantResult:
         timed = set.intersection(*(set(r["elapsed"]) for _, r in runs))
         elapsed = {s: [r["elapsed"][s] for _, r in runs] for s in sorted(timed)}
     return VariantResult(variant, [s for s, _ in runs], max(r["steps"] for _, r in runs), curves,
-                         {k: [r["final"][k] for _, r in runs] for k in keys}, elapsed)
+                         {k: [r["final"][k] for _, r in runs] for k in keys}, elapsed,
+                         tuple(r.get("cpu") for _, r in runs))
 
 
 def missing(specs: list[RunSpec]) -> list[RunSpec]:
@@ -247,12 +251,22 @@ def steps_to_parity(result: VariantResult, baseline: VariantResult, key: str) ->
     return None if step is None else step / baseline.steps
 
 
+def timing_mismatch(result: VariantResult, baseline: VariantResult) -> str | None:
+    """Why the two variants' seconds do not compare, or None when they do: every run must name the same CPU, or
+    none may name one (records of older builds, which cannot be told apart)."""
+    cpus = {*result.cpus, *baseline.cpus}
+    if len(cpus) < 2:
+        return None
+    named = sorted(c if c is not None else "not recorded" for c in cpus)
+    return f"the runs ran on different CPUs ({'; '.join(named)})"
+
+
 def time_to_parity(result: VariantResult, baseline: VariantResult, key: str) -> float | None:
     """Wall-clock steps-to-parity: the seconds ``result``'s steps took up to its parity step (mean over its
     seeds), divided by the seconds ``baseline``'s whole run took (mean over its seeds): the paper's claim is
     about training time, and a variant whose step costs more can win in steps and lose here.  None: never
-    reached; nan: a run did not record its step times."""
-    if result.elapsed is None or baseline.elapsed is None:
+    reached; nan: a run did not record its step times, or the runs ran on different CPUs (:func:`timing_mismatch`)."""
+    if result.elapsed is None or baseline.elapsed is None or timing_mismatch(result, baseline):
         return float("nan")
     step = _parity_step(result.curves[key], baseline.finals[key], list(range(len(result.seeds))),
                         list(range(len(baseline.seeds))))
