@@ -211,7 +211,7 @@ def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str, own: tuple[str, 
     if spec.reward == "gold":  # the critic learns gold returns from a new head on the SFT model (a reward
         # model's head starts on the wrong scale and steers the first updates); the RM still scores held-out
         extra += ["--critic_model_name_or_path", sft, "--reward_model_name_or_path", rm]
-    env = {"ACTOR_MODEL_PATH": sft, "CRITIC_MODEL_PATH": rm, "EXTRA_ARGS": " ".join(extra)}
+    env = {**dict(variant.env), "ACTOR_MODEL_PATH": sft, "CRITIC_MODEL_PATH": rm, "EXTRA_ARGS": " ".join(extra)}
     cmd = ["bash", "training/step3_rlhf_finetuning/training_scripts/tiny/run_tiny.sh", str(spec.out)]
     return cmd, env
 

@@ -747,18 +747,29 @@ def test_held_out_evaluation_batch_is_independent_of_the_training_batch(tmp_path
     assert ev(per_device_generation_batch_size=2)["kl"] != ppo["kl"]  # evaluated 2 per batch: other samples
 
 
+@pytest.mark.parametrize("reward", list(sweep.REWARDS))
 @pytest.mark.parametrize("variant", list(sweep.VARIANTS))
-def test_every_variant_is_a_valid_step3_configuration(variant):
-    """Each variant's flags, after the tiny launch script's (which pass the fixed rule with n = 5), parse and
-    validate as step 3 would (a critic-free estimator with a changed macro rule is refused there)."""
+def test_every_variant_is_a_valid_step3_configuration(variant, reward, tmp_path):
+    """The command line the sweep's launch (``step3_command``: the tiny step-3 script with the variant's flags and
+    environment) hands to step 3 — recorded by a fake ``deepspeed`` — parses and validates as step 3 would: the
+    tiny script's own flags included (its advantage whitening, which GRPO refuses, made the sweep's GRPO runs fail
+    at start before the variant turned it off)."""
+    import reproduce
+    from test_launch_scripts import launch_ok
+
     from marlhf.config import RLHFArgs, parse_args
 
+    spec = sweep.RunSpec(reward, variant, 1, tmp_path / "runs")
+    cmd, env = reproduce.step3_command(spec, reproduce.parse_args(["--quick"]), str(tmp_path / "sft"),
+                                       str(tmp_path / "rm"))
+    launch = launch_ok(reproduce.REPO / cmd[1], tmp_path, *cmd[2:], **env)
+    args, _ = parse_args(RLHFArgs, launch.flags)  # raises ConfigError on a refused combination
     flags = sweep.VARIANTS[variant].flags
-    tiny = ["--per_device_generation_batch_size", "16", "--per_device_training_batch_size", "16",
-            "--termination_condition", "fixed", "--ngram", "5"]
-    args, _ = parse_args(RLHFArgs, [*tiny, *flags])
     given = dict(zip(flags[::2], flags[1::2]))
     assert args.advantage_estimator == given.get("--advantage_estimator", "gae")
+    assert args.whiten_advantages == (dict(sweep.VARIANTS[variant].env).get("WHITEN_ADVANTAGES", "1") == "1")
+    assert args.seed == 1 and args.output_dir == str(spec.out)
+    assert (args.reward_source == "gold") == (reward == "gold")
     if "--num_samples_per_prompt" in given:  # the same 16 answers per step as PPO's 16 prompts
         assert args.num_samples_per_prompt * args.per_device_generation_batch_size == 16
         assert args.per_device_eval_generation_batch_size == 16

@@ -31,13 +31,15 @@ CURVE_KEYS = ("gold_score", "rm_score", "kl", "response_len", "eos_rate")
 
 @dataclass(frozen=True)
 class Variant:
-    """One step-3 configuration: a name for folders and tables, a label for humans, its flags."""
+    """One step-3 configuration: a name for folders and tables, a label for humans, its flags (and the launch
+    script's environment where a flag of the script's own must change)."""
 
     name: str
     label: str
     flags: tuple[str, ...]
     needs: tuple[str, ...] = ()  # RLHFArgs fields the flags need (a build without them cannot run it)
     critic: bool = True  # False: critic-free, step 3 refuses the critic's and GAE's flags (CRITIC_FLAGS)
+    env: tuple[tuple[str, str], ...] = ()  # the tiny step-3 script's environment overrides, (name, value) pairs
 
     def available(self, known_fields: set[str]) -> bool:
         return all(f in known_fields for f in self.needs)
@@ -52,6 +54,8 @@ def _fixed(n: str, *extra: str) -> tuple[str, ...]:
 # held-out evaluation keeps PPO's 16 prompts per batch, so every variant is evaluated on the same samples.
 _GROUPS = ("--num_samples_per_prompt", "4", "--per_device_generation_batch_size", "4",
            "--per_device_eval_generation_batch_size", "16")
+# GRPO's advantages are normalised within each prompt's group: step 3 refuses the tiny script's batch whitening on top
+_GROUP_NORMALISED = (("WHITEN_ADVANTAGES", "0"),)
 
 # paper §4.2–4.5 and App. C.3 / D.1: n ∈ {3,5,10,∞}, the four rules, σ for n = 5, the ratio, baselines
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -74,10 +78,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("rloo", "RLOO (K = 4)", ("--advantage_estimator", "rloo", *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt"), critic=False),
     Variant("grpo", "GRPO (K = 4)", ("--advantage_estimator", "grpo", *_GROUPS),
-            needs=("advantage_estimator", "num_samples_per_prompt"), critic=False),
+            needs=("advantage_estimator", "num_samples_per_prompt"), critic=False, env=_GROUP_NORMALISED),
     Variant("grpo_dr", "Dr. GRPO (K = 4, no std)", ("--advantage_estimator", "grpo", "--grpo_normalization", "none",
                                                     *_GROUPS),
-            needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization"), critic=False),
+            needs=("advantage_estimator", "num_samples_per_prompt", "grpo_normalization"), critic=False,
+            env=_GROUP_NORMALISED),
     Variant("reinforce", "REINFORCE", ("--advantage_estimator", "reinforce"), needs=("advantage_estimator",),
             critic=False),
     # Monte-Carlo macro values (VinePPO): no critic, K = 4 continuations from every boundary of n = 5 actions

@@ -16,9 +16,12 @@
 #   NUM_GPUS           ranks per node (default 1)
 #   PER_DEVICE_TRAIN_BATCH  experiences per rank per PPO micro-batch (default 16)
 #   GENERATION_BATCHES      prompt batches generated per PPO step (default 1); the PPO batch stays 16
+#   WHITEN_ADVANTAGES  1 = --whiten_advantages (default); 0 for --advantage_estimator grpo, which normalises
+#                      per group itself and refuses whitening on top
 #   and those of every script (HOSTFILE, EXTRA_ARGS, LOG_FILE, ...): see
 #   "Environment variables" in training/step1_supervised_finetuning/training_scripts/README.md.
 set -euo pipefail
+whiten=${WHITEN_ADVANTAGES:-1}  # read before the common file resets the knobs
 # shellcheck source=SCRIPTDIR/../../../launch_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../../../launch_common.sh"
 
@@ -49,7 +52,7 @@ KL_CTL=${KL_CTL:-0.5}
 WARMUP_STEPS=3
 MAX_EVAL_SAMPLES=256
 PRINT_INTERVAL=10
-WHITEN_ADVANTAGES=1
+WHITEN_ADVANTAGES=$whiten
 CLIP_REWARD=100
 
 # PPO batch = prompts per rank x generation batches x ranks = 16 x 1 x 1; every rank trains on its
