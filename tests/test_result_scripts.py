@@ -110,6 +110,10 @@ def test_main_job_table_and_means(tmp_path):
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
     assert "| 1 | 0.500 ± 0.020 | 0.580 ± 0.020 | +0.080 | 0.660 ± 0.020 | 0.500 → 0.500 |" in text
     assert "| gain over SFT | 0.070 ± 0.010 |" in text
+    # the numbers behind the table beside it, from the same report (a stale JSON once sat next to a newer table)
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["aggregate"]["gain over SFT"] == pytest.approx(list(agg["gain over SFT"]))
+    assert saved["seeds"]["1"]["total_seconds"] == 520.0
     assert math.isnan(seeds_script.mean_se([1.0])[1])
     assert rows[1]["oracle_kl_ctl"] == 0.05
     # the oracle's beta: the main job's times the gold score's spread over the reward model's (ratio of the SEs)
