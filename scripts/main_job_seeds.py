@@ -8,8 +8,8 @@ main job's step-3 settings otherwise): how much of the oracle's gain the learned
 Writes ``OUT/report.json`` and a Markdown table (``--report``, default ``docs/results/main_job.md``, the same JSON
 beside it): per seed the held-out gold score of the SFT policy and of both step-3 policies with their standard
 errors over the prompts, the gold score's components, the reward model's accuracy on held-out synthetic pairs and
-on held-out pairs of the SFT policy's answers, and each stage's time; then means with standard errors over seeds.  A seed
-whose folder holds a finished run is not run again.
+on held-out pairs of the SFT policy's answers, and each stage's time; then means with standard errors over seeds.
+A seed whose folder holds a finished run is not run again.
 
     python scripts/main_job_seeds.py --out runs/main_job_seeds --seeds 1234 1 2
 """

@@ -178,6 +178,20 @@ def test_wall_clock_parity_only_between_runs_on_one_kind_of_cpu(tmp_path):
         assert f"wall-clock time not compared: {why}" in text and "in wall-clock time at" not in text
 
 
+def test_claims_cover_every_macro_action_variant_and_no_critic_free_baseline(tmp_path):
+    """The speed / final-score claims are the paper's, MA-PPO's against PPO: one line per variant with a critic
+    (lowprob, named unlike the n-gram and rule variants, was once left out), none for RLOO / GRPO / MC values."""
+    curve = {0: 0.1, 4: 0.3, 8: 0.5}
+    names = ["ppo", "n5", "lowprob", "ppl", "n5_sigma_unit", "grpo", "rloo", "mc_macro"]
+    for name in names:
+        fake_run(tmp_path / "gold" / name / "seed1", 8, curve, rm=0.0, seed_kl=0.01)
+    res = sweep.collect(sweep.plan(tmp_path, ["gold"], names, [1]))
+    text = "\n".join(claims({"gold": summary_table(res["gold"], "gold")}))
+    for name in names[1:]:
+        line = f"**gold reward, {sweep.VARIANTS[name].label}**"
+        assert (line in text) == sweep.VARIANTS[name].critic, name
+
+
 def test_unfinished_runs_are_missing_not_averaged(runs):
     root, _, _ = runs
     (root / "gold" / "n5" / "seed3" / "summary.json").unlink()

@@ -214,8 +214,9 @@ def claims(tables: dict[str, list[dict]]) -> list[str]:
         by = {r["variant"]: r for r in rows}
         key = REWARDS[reward][1]
         base = by.get(BASELINE)
-        ma = [r for r in rows if r["variant"] != BASELINE and r["variant"] in VARIANTS
-              and r["variant"].startswith(("n", "randomized", "ppl", "parsing", "word"))]
+        # the MA-PPO variants: every one with a critic but PPO itself (the critic-free baselines have their own lines)
+        ma = [r for r in rows
+              if r["variant"] != BASELINE and r["variant"] in VARIANTS and VARIANTS[r["variant"]].critic]
         if base is None or not ma:
             out.append(f"- **{reward} reward**: not measured (needs PPO and at least one MA-PPO variant).")
             continue
