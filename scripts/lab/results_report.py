@@ -73,8 +73,8 @@ def summary_table(results: dict[str, VariantResult], reward: str) -> list[dict]:
                     row[f"parity_{key}"] = steps_to_parity(r, base, key)
                     row[f"parity_ci_{key}"] = parity_interval(r, base, key)
                     row[f"time_parity_{key}"] = time_to_parity(r, base, key)
-                    if timing_mismatch(r, base):
-                        row[f"time_parity_note_{key}"] = timing_mismatch(r, base)
+                    if why := timing_mismatch(r, base):
+                        row[f"time_parity_note_{key}"] = why
                 else:
                     row[f"parity_{key}"] = "n/a"
             start = r.mean_curve(key).get(0)
@@ -107,7 +107,7 @@ def _time_cell(row: dict, key: str) -> str:
     if f"time_parity_{key}" not in row:  # PPO did not improve: parity undefined
         return "–"
     v = row[f"time_parity_{key}"]
-    return "–" if isinstance(v, float) and math.isnan(v) else _parity(v)  # nan: step times not recorded
+    return "–" if isinstance(v, float) and math.isnan(v) else _parity(v)  # nan: not recorded / other CPUs
 
 
 def plot_curves(results: dict[str, VariantResult], path: Path, title: str) -> Path:
@@ -298,9 +298,9 @@ def write_report(path: Path, results: dict[str, dict[str, VariantResult]], *, se
              "fraction of PPO's steps (< 1: faster than PPO; 0: already at step 0), with its 95% percentile "
              "bootstrap interval over seeds in brackets (the variant's and PPO's seeds resampled; 'never': in that "
              "share of resamples it did not get there). Time parity: the seconds the variant's steps took to get "
-             "there (evaluation excluded) as a fraction of PPO's whole run ('–': step times not recorded). "
-             "KL: Σ_t log π − log π_ref "
-             "per held-out answer (the last training batch's where no held-out KL was logged).", ""]
+             "there (evaluation excluded) as a fraction of PPO's whole run ('–': step times not recorded, or the "
+             "runs ran on different CPUs). KL: Σ_t log π − log π_ref per held-out answer (the last training batch's "
+             "where no held-out KL was logged).", ""]
     if tuning is not None:
         lines += tuning_section(tuning, settings)
     for reward, rows in tables.items():
