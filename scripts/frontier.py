@@ -4,8 +4,8 @@ Gao et al. (2022, "Scaling laws for reward model overoptimization", Fig. 1) plot
 against √KL(π ‖ π_SFT) while it optimises a learned proxy: the proxy's score keeps rising, the gold score rises,
 peaks and falls.  Comparing RLHF methods at a given KL budget — not at a given step — is the fair comparison.
 
-From a finished main job (``marlhf quickstart --output_dir RUN``: step1/ the SFT policy, step2_onpolicy/ or
-step2/ the reward model, step3/ the settings), this runs step 3 longer than the main job for each method
+From a finished main job (``marlhf quickstart --output_dir RUN``: step1/ the SFT policy, step3/ the settings and
+the reward model it ran against), this runs step 3 longer than the main job for each method
 (PPO, n = 1; MA-PPO, n = 5 by default) at several seeds, evaluating every ``--eval_interval`` steps on the same
 held-out prompts (gold score, reward-model score, KL of the answers to the SFT policy), and writes a
 Markdown report with a PNG (``--report``, default ``docs/results/frontier.md``).  Each run is skipped when its
@@ -122,9 +122,7 @@ def main(argv=None) -> int:
     run_dir, out = Path(args.run).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     step3 = json.loads((run_dir / "step3" / "args.json").read_text())
-    reward_model = run_dir / "step2_onpolicy" / "reward_model"
-    if not reward_model.exists():
-        reward_model = run_dir / "step2"
+    reward_model = Path(step3["critic_model_name_or_path"])  # the main job's: its last round's, or step 2's
     config = {k: v for k, v in step3.items() if k not in ("output_dir", "tensorboard_path", "local_rank",
                                                             "critic_model_name_or_path", "data_output_path")}
     config.update(max_steps=args.steps, eval_interval=args.eval_interval, kl_ctl=args.kl_ctl,

@@ -181,7 +181,8 @@ def run_together(jobs: list[tuple[list[str], dict, Path]], dry: bool, lock: str 
 def base_models(args, root: Path) -> tuple[str, str, list[str]]:
     """SFT and reward model paths, training them once (steps 1–2 of the quick start, the main job's: step 2 ends
     with the reward model trained further on the SFT policy's answers) unless given.  ``--quick`` skips that
-    round (minutes of generation) and uses step 2's model."""
+    round (minutes of generation) and uses step 2's model.  One round, on the SFT policy's answers: the sweep's
+    records were made with it (the main job's second round, on a probe step 3's answers, came later)."""
     base = root / "base"
     commands = []
     rm = str(base / ("step2" if args.quick else "step2_onpolicy/reward_model"))
@@ -189,7 +190,7 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
         extra = [f"--extra_args=--max_steps={QUICK_BASE_STEPS}", "--onpolicy_samples", "0"] if args.quick else []
         steps = [s for s, given in ((1, args.sft), (2, args.rm)) if not given]
         cmd = [sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(base), "--step", *map(str, steps),
-               *(["--actor_model", args.sft] if args.sft else []), *extra]
+               "--onpolicy_rounds", "1", *(["--actor_model", args.sft] if args.sft else []), *extra]
         env = {"MODEL_PATH": args.sft} if args.sft else {}
         commands.append(shlex.join(["python", *cmd[1:]]))
         if not (base / "summary.json").exists() and not args.report_only:

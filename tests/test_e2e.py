@@ -24,7 +24,7 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run/summary.json").read_text())
-    assert set(summary["seconds"]) == {"step1", "step2", "step2_onpolicy", "step3"}
+    assert set(summary["seconds"]) == {"step1", "step2", "step2_onpolicy", "step2_onpolicy_round2", "step3"}
     assert summary["step1_final_perplexity"] < 2000  # below the untrained model's ~vocabulary size
     assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
     assert summary["steps"] == 3
@@ -54,10 +54,28 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert args_rm["data_path"] == [str(onpolicy / "pairs")] and args_rm["data_split"] == "0,1,0"
     assert 0.0 <= summary["step2_onpolicy_accuracy"] <= 1.0
     assert "pairs of the SFT policy's answers" in proc.stdout
-    # step 3 started from step 1's model and that reward model
+    # round 2: a probe step 3 against that reward model (a small evaluation of its own), 2 of its answers to
+    # each prompt pooled with the first 2 of the SFT policy's, all 6 pairs labelled, round 1's model trained on
+    round2 = tmp_path / "run/step2_onpolicy_round2"
+    probe = json.loads((round2 / "probe/args.json").read_text())
+    assert probe["critic_model_name_or_path"] == str(onpolicy / "reward_model") and probe["max_eval_samples"] == 16
+    answers2 = [json.loads(line) for line in (round2 / "answers.jsonl").read_text().splitlines()]
+    assert len(answers2) == 48 and {a["prompt_id"] for a in answers2} == {a["prompt_id"] for a in answers}
+    label2 = json.loads((round2 / "pairs/label.json").read_text())
+    assert label2["settings"]["generations"] == [str(round2 / "answers.jsonl"), str(onpolicy / "answers.jsonl")]
+    assert label2["settings"]["max_samples"] == 2
+    counts2 = label2["counts"]
+    assert counts2["answers"] == 96
+    assert sum(counts2[k] for k in ("pairs", "identical_dropped", "empty_dropped", "ties_dropped")) == 24 * 6
+    args_rm2 = json.loads((round2 / "reward_model/args.json").read_text())
+    assert args_rm2["model_name_or_path"] == str(onpolicy / "reward_model")
+    assert args_rm2["data_path"] == [str(round2 / "pairs")] and args_rm2["learning_rate"] == args_rm["learning_rate"]
+    assert 0.0 <= summary["step2_onpolicy_round2_accuracy"] <= 1.0
+    assert "round 2: accuracy on held-out pairs" in proc.stdout
+    # step 3 started from step 1's model and the last round's reward model
     args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
     assert args3["actor_model_name_or_path"].endswith("run/step1")
-    assert args3["critic_model_name_or_path"].endswith("run/step2_onpolicy/reward_model")
+    assert args3["critic_model_name_or_path"].endswith("run/step2_onpolicy_round2/reward_model")
     # what each step resolved is its run context, beside the flags as given (which keep "" and "auto")
     args1 = json.loads((tmp_path / "run/step1/args.json").read_text())
     assert args1["model_name_or_path"] == "" and args1["prompt_format"] == "auto"
@@ -81,19 +99,33 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
 
 def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path, monkeypatch):
     """When the main job trains the reward model on the policy's answers: at the end of step 2 (a new step 2
-    discards the old stage), reused by ``--step 3`` alone (run first when missing), never with --onpolicy_samples
-    0, --task or an explicit --reward_model; step 3's critic is then that reward model."""
+    discards the old rounds), reused by ``--step 3`` alone (run first when missing), never with --onpolicy_samples
+    0, --task or an explicit --reward_model.  Round 2 runs a probe step 3 against round 1's reward model, pairs
+    its answers with the SFT policy's and continues round 1's reward model; step 3 proper starts from the SFT
+    policy against the last round's."""
     from marlhf.cli import quickstart
 
     calls = []
 
-    def fake_stage(sft, rm, out, samples, **kw):
-        calls.append(("stage", samples, kw["pairing"], kw["ties"], kw["epochs"]))
+    def fake_stage(policy, rm, out, samples, **kw):
+        compare = kw.get("compare_with")
+        calls.append(("stage", Path(policy).relative_to(root).as_posix(), Path(rm).relative_to(root).as_posix(),
+                      samples, kw["pairing"], kw["ties"], kw["epochs"],
+                      compare and Path(compare).relative_to(root).as_posix()))
         (out / "reward_model").mkdir(parents=True)
+        (out / "reward_model/model.safetensors").write_text("weights")
 
-    def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic
+    def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic, where
         step = int(cmd[1].split("/step")[1][0])
-        calls.append((step, env["CRITIC_MODEL_PATH"] if step == 3 else None))
+        if step == 3:
+            out = Path(cmd[2])
+            (out / "actor").mkdir(parents=True, exist_ok=True)
+            (out / "actor/model.safetensors").write_text("weights")
+            calls.append((3, Path(env["CRITIC_MODEL_PATH"]).relative_to(root).as_posix()
+                          if env["CRITIC_MODEL_PATH"].startswith(str(root)) else env["CRITIC_MODEL_PATH"],
+                          out.relative_to(root).as_posix(), "--max_eval_samples=16" in env.get("EXTRA_ARGS", "")))
+        else:
+            calls.append((step, None))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(quickstart, "onpolicy_reward_model", fake_stage)
@@ -105,18 +137,29 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
         assert quickstart.main(["--output_dir", str(root), *argv]) == 0
         return list(calls)
 
-    onpolicy_rm = str(root / "step2_onpolicy/reward_model")
-    assert run() == [(1, None), (2, None), ("stage", 4, "all", "drop", 1), (3, onpolicy_rm)]
+    r1, r2 = "step2_onpolicy/reward_model", "step2_onpolicy_round2/reward_model"
+    round1 = ("stage", "step1", "step2", 4, "all", "drop", 1, None)
+    probe = (3, r1, "step2_onpolicy_round2/probe", True)  # step 3 against round 1's model, a small evaluation
+    round2 = ("stage", "step2_onpolicy_round2/probe/actor", r1, 2, "all", "drop", 1, "step2_onpolicy/answers.jsonl")
+    assert run() == [(1, None), (2, None), round1, probe, round2, (3, r2, "step3", False)]
     (root / "step2_onpolicy/marker").write_text("from the old step 2")
-    assert run("--step", "3") == [(3, onpolicy_rm)]  # reused
+    assert run("--step", "3") == [(3, r2, "step3", False)]  # reused
     assert (root / "step2_onpolicy/marker").exists()
-    assert run("--step", "2", "3", "--onpolicy_samples", "2", "--onpolicy_pairing", "disjoint", "--onpolicy_ties",
-               "keep", "--onpolicy_epochs", "3") == [(2, None), ("stage", 2, "disjoint", "keep", 3), (3, onpolicy_rm)]
+    # one round: the SFT policy's answers only, step 3 against that reward model
+    assert run("--step", "2", "3", "--onpolicy_rounds", "1", "--onpolicy_samples", "2", "--onpolicy_pairing",
+               "disjoint", "--onpolicy_ties", "keep", "--onpolicy_epochs", "3") == [
+        (2, None), ("stage", "step1", "step2", 2, "disjoint", "keep", 3, None), (3, r1, "step3", False)]
     assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
-    assert run("--onpolicy_samples", "0")[-1] == (3, str(root / "step2"))
-    # the stage ends step 2: steps 1-2 alone (the reproduction sweep's base) leave step 3's reward model
-    assert run("--step", "1", "2") == [(1, None), (2, None), ("stage", 4, "all", "drop", 1)]
-    assert run("--step", "3") == [(3, onpolicy_rm)]  # reused, not run again
+    assert not (root / "step2_onpolicy_round2").exists()
+    assert run("--onpolicy_samples", "0")[-1] == (3, "step2", "step3", False)
+    # the rounds end step 2: steps 1-2 alone (the reproduction sweep's base) leave step 3's reward model
+    assert run("--step", "1", "2") == [(1, None), (2, None), round1, probe, round2]
+    assert run("--step", "3") == [(3, r2, "step3", False)]  # reused, not run again
+    shutil.rmtree(root / "step2_onpolicy_round2/reward_model")  # round 2 stopped after its probe: the probe is kept
+    assert run("--step", "3") == [round2, (3, r2, "step3", False)]
     shutil.rmtree(root / "step2_onpolicy")
-    assert run("--step", "3") == [("stage", 4, "all", "drop", 1), (3, onpolicy_rm)]  # missing: run first
-    assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm")]
+    shutil.rmtree(root / "step2_onpolicy_round2")
+    assert run("--step", "3") == [round1, probe, round2, (3, r2, "step3", False)]  # missing: run first
+    assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm", "step3", False)]
+    with pytest.raises(SystemExit, match="--onpolicy_rounds"):
+        quickstart.main(["--output_dir", str(root), "--onpolicy_rounds", "0"])

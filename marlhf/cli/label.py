@@ -10,6 +10,11 @@ those the annotator scores equal dropped with ``--ties drop``) is labelled a ≻
 σ((g_a − g_b)/τ).  Writes ``train.jsonl`` and ``test.jsonl`` (``--eval_fraction`` of the prompts held out: the
 reward model's accuracy on the policy's own answers, ``marlhf rw-eval --input OUT/test.jsonl``) and
 ``label.json``.  Run again with the same inputs, it finds ``label.json`` and does nothing.
+
+Several ``--generations`` files (answers of different policies to the same prompts) are pooled per prompt, the
+first ``--max_samples`` answers of each: an iterated round pairs a new policy's answers with an earlier one's,
+
+    marlhf label --generations step3_answers.jsonl sft_answers.jsonl --max_samples 2 --pairing all ...
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import sys
 from pathlib import Path
 
-from marlhf.data.onpolicy import label_pairs, read_generations, split_by_prompt, write_pairs
+from marlhf.data.onpolicy import label_pairs, pool_generations, read_generations, split_by_prompt, write_pairs
 from marlhf.errors import ConfigError, run_cli
 
 log = logging.getLogger("marlhf")
@@ -29,7 +34,10 @@ log = logging.getLogger("marlhf")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--generations", required=True, help="marlhf generate's JSON lines, >= 2 samples per prompt")
+    p.add_argument("--generations", required=True, nargs="+",
+                   help="marlhf generate's JSON lines, >= 2 answers per prompt (several files: pooled per prompt)")
+    p.add_argument("--max_samples", type=int, default=0,
+                   help="The first N answers to a prompt taken from each --generations file (0: all)")
     p.add_argument("--annotator", default="gold", help="gold | reward_model:PATH")
     p.add_argument("--tau", type=float, default=0.0,
                    help="Bradley-Terry temperature of the annotator: P(a > b) = sigmoid((g_a - g_b) / tau); "
@@ -72,14 +80,15 @@ def file_digest(path: Path) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    source = Path(args.generations)
-    if not source.is_file():
-        raise ConfigError(f"--generations {source}: no such file")
+    sources = [Path(g) for g in args.generations]
+    for source in sources:
+        if not source.is_file():
+            raise ConfigError(f"--generations {source}: no such file")
     out = Path(args.output)
     # everything that changes the pairs: the same inputs find the folder done
-    settings = {"generations": str(source), "generations_sha256": file_digest(source), "annotator": args.annotator,
-                "tau": args.tau, "pairing": args.pairing, "ties": args.ties, "seed": args.seed,
-                "eval_fraction": args.eval_fraction}
+    settings = {"generations": [str(s) for s in sources], "generations_sha256": [file_digest(s) for s in sources],
+                "max_samples": args.max_samples, "annotator": args.annotator, "tau": args.tau,
+                "pairing": args.pairing, "ties": args.ties, "seed": args.seed, "eval_fraction": args.eval_fraction}
     record = out / "label.json"
     if record.exists():
         before = json.loads(record.read_text())
@@ -87,9 +96,10 @@ def main(argv=None) -> int:
             log.info("%s: labelled already with these inputs (%s)", out, before["counts"])
             print(out)
             return 0
-    groups = read_generations(source)
+    groups = pool_generations([read_generations(s) for s in sources], args.max_samples)
     if max(len(g) for g in groups.values()) < 2:
-        raise ConfigError(f"{source}: one answer per prompt; sample two or more (marlhf generate --num_samples 2)")
+        raise ConfigError(f"{', '.join(map(str, sources))}: one answer per prompt; sample two or more "
+                          f"(marlhf generate --num_samples 2)")
     pairs, counts = label_pairs(groups, annotator(args.annotator), args.tau, args.seed, args.pairing,
                                 args.ties)
     train, test = split_by_prompt(pairs, args.eval_fraction, args.seed)

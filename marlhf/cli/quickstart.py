@@ -11,7 +11,12 @@ On the embedded task, step 2 ends by training the reward model further on prefer
 the SFT policy's own answers (``--onpolicy_samples`` answers to each of step 2's prompts, labelled by the
 task's gold scorer as a simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the
 distribution step 3 explores; trained on its synthetic pairs alone, the reward model does not hold there
-(docs/results/onpolicy_reward.md).
+(docs/results/onpolicy_reward.md).  With ``--onpolicy_rounds 2`` (the default) a second round follows, as in
+iterated RLHF (Llama 2, Anthropic's online RLHF): a step 3 against that reward model (the probe), two of its
+answers to each prompt paired with two of the SFT policy's, labelled, and the reward model trained further on
+them — it then knows the answers a step 3 drifts to, which the SFT policy rarely writes (repeated sentences).
+Step 3 proper starts again from the SFT policy against the last round's reward model
+(docs/results/main_job.md).
 
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
 the gold score where the task has one), plus the step-1 perplexity and the step-2 accuracies.
@@ -67,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--onpolicy_ties", default="drop", choices=("drop", "keep"),
                    help="Pairs the annotator scores equal: drop, or keep with a coin-flip label.")
     p.add_argument("--onpolicy_epochs", type=int, default=1, help="Epochs of the reward model over those pairs.")
+    p.add_argument("--onpolicy_rounds", type=int, default=2,
+                   help="Rounds of pairs on the policy's answers (embedded task): 1 = the SFT policy's only; each "
+                        "further round runs a step 3 against the last reward model (step2_onpolicy_roundR/probe) "
+                        f"and trains the reward model further on {ROUND_SAMPLES} of its answers per prompt paired "
+                        f"with {ROUND_SAMPLES} of the SFT policy's.")
     p.add_argument("--extra_args", action="append", default=[],
                    help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms).")
     return p.parse_args(argv)
@@ -84,6 +94,11 @@ def script_for(step: int, size: str) -> Path:
     return path
 
 
+def onpolicy_dir(root: Path, round_: int) -> Path:
+    """Round 1's folder is ``step2_onpolicy``, round R's ``step2_onpolicy_roundR``."""
+    return root / ("step2_onpolicy" if round_ == 1 else f"step2_onpolicy_round{round_}")
+
+
 def uses_onpolicy(args) -> bool:
     """Whether step 3's reward model is the one trained on the policy's answers: on the embedded task only (its
     gold scorer is the annotator), unless turned off or an explicit reward model replaces step 2's.  The stage
@@ -93,23 +108,35 @@ def uses_onpolicy(args) -> bool:
             and args.reward_model is None)
 
 
-def run_step(step: int, args, root: Path) -> float:
-    out = root / f"step{step}"
+def step3_reward_model(args, root: Path, rounds: int | None = None) -> Path:
+    """Step 3's reward model (and critic): --reward_model, else the last of ``rounds`` rounds on the policy's
+    answers (default --onpolicy_rounds), else step 2's."""
+    if args.reward_model:
+        return Path(args.reward_model)
+    if not uses_onpolicy(args):
+        return root / "step2"
+    return onpolicy_dir(root, args.onpolicy_rounds if rounds is None else rounds) / "reward_model"
+
+
+def run_step(step: int, args, root: Path, out: Path | None = None, reward_model: Path | None = None,
+             extra_args: tuple[str, ...] = ()) -> float:
+    """Run one step's launch script into ``out`` (default ``root/stepK``); step 3 against ``reward_model``
+    (default :func:`step3_reward_model`); ``extra_args``: flags after --extra_args'."""
+    out = out or root / f"step{step}"
     env = dict(os.environ)
     if args.task:
         env["TASK"] = args.task
     if step == 3:
         env["ACTOR_MODEL_PATH"] = args.actor_model or str(root / "step1")
-        onpolicy = root / "step2_onpolicy" / "reward_model"
-        env["CRITIC_MODEL_PATH"] = args.reward_model or str(onpolicy if uses_onpolicy(args) else root / "step2")
+        env["CRITIC_MODEL_PATH"] = str(reward_model or step3_reward_model(args, root))
         if args.termination_condition:
             env["TERMINATION"] = args.termination_condition
         if args.ngram:
             env["NGRAM"] = args.ngram
     elif step == 2:
         env.setdefault("MODEL_PATH", str(root / "step1"))
-    if args.extra_args:
-        env["EXTRA_ARGS"] = " ".join([env.get("EXTRA_ARGS", ""), *args.extra_args]).strip()
+    if args.extra_args or extra_args:
+        env["EXTRA_ARGS"] = " ".join([env.get("EXTRA_ARGS", ""), *args.extra_args, *extra_args]).strip()
     cmd = ["bash", str(script_for(step, args.size)), str(out)] + ([args.zero_stage] if args.zero_stage else [])
     print(f"\n=== step {step}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
@@ -123,6 +150,8 @@ def run_step(step: int, args, root: Path) -> float:
 ONPOLICY_TAU = 0.05  # Bradley-Terry temperature of the gold annotator's labels
 ONPOLICY_RM_LEARNING_RATE = 1e-4
 ONPOLICY_HELD_OUT = 0.15  # share of the prompts whose pairs measure the reward model
+ROUND_SAMPLES = 2  # a later round: this many answers of the probe and of the SFT policy per prompt, all pairs
+PROBE_EVAL_SAMPLES = 16  # the probe's own held-out evaluation: its answers are what the round needs
 
 
 def marlhf_cmd(*args: str) -> list[str]:
@@ -141,16 +170,19 @@ def run_logged(cmd: list[str], log: Path) -> float:
 
 def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generation: dict | None = None,
                           max_prompts: int = 0, rm_args: list[str] | tuple = (), pairing: str = "all",
-                          ties: str = "drop", epochs: int = 1) -> dict:
-    """Train the step-2 reward model ``rm`` further on gold-labelled pairs of the SFT policy ``sft``'s answers.
+                          ties: str = "drop", epochs: int = 1, compare_with: Path | None = None,
+                          step2: Path | None = None, seed: int = 8) -> dict:
+    """Train the reward model ``rm`` further on gold-labelled pairs of the policy ``sft``'s answers.
 
-    ``samples`` answers to each of step 2's prompts (the data settings are step 2's, from its args.json;
-    ``generation``: sampling flags of ``marlhf generate``, default step 3's defaults), paired and labelled by
-    the gold scorer (``out/pairs``: train.jsonl and the held-out test.jsonl); the reward model continues on the
-    train pairs with step 2's settings (``out/reward_model``), ``rm_args`` last.  ``max_prompts``: the first
-    that many of step 2's prompts (0: all).  Each stage is skipped when its output exists.  Returns the seconds
-    each stage took."""
-    step2 = json.loads((rm / "args.json").read_text())
+    ``samples`` answers to each of step 2's prompts (the data settings are step 2's, from the args.json of
+    ``step2``, default ``rm``; ``generation``: sampling flags of ``marlhf generate``, default step 3's defaults;
+    ``seed``: its sampling seed), paired and labelled by the gold scorer (``out/pairs``: train.jsonl and the
+    held-out test.jsonl); with ``compare_with`` (an earlier policy's answers to the same prompts) the first
+    ``samples`` of those join each prompt's answers before pairing.  The reward model continues on the train
+    pairs with step 2's settings (``out/reward_model``), ``rm_args`` last.  ``max_prompts``: the first that many
+    of step 2's prompts (0: all).  Each stage is skipped when its output exists.  Returns the seconds each
+    stage took."""
+    step2 = json.loads(((step2 or rm) / "args.json").read_text())
     defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
     gen = {"max_prompt_len": defaults["max_prompt_seq_len"],
            "temperature": defaults["temperature"], "top_k": defaults["top_k"], **(generation or {})}
@@ -161,13 +193,14 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
             "generate", "--model", str(sft), "--data_path", *step2["data_path"], "--split", "train", "--phase", "2",
             "--data_split", step2["data_split"], "--data_seed", str(step2["seed"] if step2["data_seed"] < 0
                                                                    else step2["data_seed"]),
-            "--eval_fraction", str(step2["eval_fraction"]), "--num_samples", str(samples), "--seed", "8",
+            "--eval_fraction", str(step2["eval_fraction"]), "--num_samples", str(samples), "--seed", str(seed),
             "--batch_size", "32", *[x for k, v in gen.items() for x in (f"--{k}", str(v))],
             *(["--max_prompts", str(max_prompts)] if max_prompts else []),
             "--output", str(out / "answers.jsonl"), "--overwrite", "--no_progress"), out / "generate.log")
         seconds["label"] = run_logged(marlhf_cmd(
-            "label", "--generations", str(out / "answers.jsonl"), "--annotator", "gold", "--tau", str(ONPOLICY_TAU),
-            "--pairing", pairing, "--ties", ties,
+            "label", "--generations", str(out / "answers.jsonl"), *([str(compare_with), "--max_samples", str(samples)]
+                                                                     if compare_with else []),
+            "--annotator", "gold", "--tau", str(ONPOLICY_TAU), "--pairing", pairing, "--ties", ties,
             "--seed", "1", "--eval_fraction", str(ONPOLICY_HELD_OUT), "--output", str(out / "pairs")),
             out / "label.log")
     if not (out / "reward_model" / "model.safetensors").exists():
@@ -202,14 +235,18 @@ def first_metric(folder: Path, key: str):
     return values[0] if values else None
 
 
-def summarize(root: Path, seconds: dict) -> dict:
+def summarize(root: Path, seconds: dict, rounds: int = 1) -> dict:
     summary = {"seconds": {(f"step{k}" if isinstance(k, int) else k): round(v, 1) for k, v in seconds.items()},
                "step1_final_perplexity": last_metric(root / "step1", "eval/perplexity"),
                "step2_final_accuracy": last_metric(root / "step2", "eval/accuracy")}
-    onpolicy = root / "step2_onpolicy" / "reward_model"
-    if onpolicy.exists():  # its held-out pairs are of the policy's own answers, labelled by the annotator
-        summary["step2_onpolicy_accuracy_before"] = first_metric(onpolicy, "eval/accuracy")
-        summary["step2_onpolicy_accuracy"] = last_metric(onpolicy, "eval/accuracy")
+    for r in range(1, rounds + 1):
+        # held-out pairs of the policies' own answers, labelled by the annotator: round 1 the SFT policy's,
+        # a later round the probe's against the SFT policy's
+        onpolicy = onpolicy_dir(root, r) / "reward_model"
+        key = "step2_onpolicy" if r == 1 else f"step2_onpolicy_round{r}"
+        if onpolicy.exists():
+            summary[f"{key}_accuracy_before"] = first_metric(onpolicy, "eval/accuracy")
+            summary[f"{key}_accuracy"] = last_metric(onpolicy, "eval/accuracy")
     s3 = root / "step3" / "summary.json"
     if s3.exists():
         summary.update(json.loads(s3.read_text()))
@@ -227,6 +264,11 @@ def print_summary(summary: dict) -> None:
     if summary.get("step2_onpolicy_accuracy") is not None:
         print(f"step 2 accuracy on held-out pairs of the SFT policy's answers (the annotator's labels): "
               f"{summary['step2_onpolicy_accuracy_before']:.3f} -> {summary['step2_onpolicy_accuracy']:.3f}")
+    for key in sorted(k for k in summary if k.startswith("step2_onpolicy_round") and k.endswith("_accuracy")
+                      and summary[k] is not None):
+        r = key[len("step2_onpolicy_round"):-len("_accuracy")]
+        print(f"round {r}: accuracy on held-out pairs of the probe's and the SFT policy's answers: "
+              f"{summary[key[:-len('_accuracy')] + '_accuracy_before']:.3f} -> {summary[key]:.3f}")
     before, after = summary.get("initial_policy"), summary.get("final_policy")
     if before and after:
         print(f"{'held-out prompts':<22}{'SFT policy':>12}{'final policy':>14}")
@@ -243,33 +285,56 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     root = Path(args.output_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    if args.onpolicy_rounds < 1:
+        raise SystemExit(f"--onpolicy_rounds must be >= 1 (--onpolicy_samples 0 turns the rounds off), "
+                         f"got {args.onpolicy_rounds}")
     seconds = {}
-    onpolicy = root / "step2_onpolicy"
+    sft = Path(args.actor_model or root / "step1")
+    rm_args = [a for arg in args.extra_args for a in arg.split("=", 1)]
 
-    def onpolicy_round():
-        print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by the "
-              f"gold scorer, the reward model trained further ({onpolicy})", flush=True)
-        t0 = time.time()
-        onpolicy_reward_model(Path(args.actor_model or root / "step1"), root / "step2", onpolicy, args.onpolicy_samples,
-                              max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
-                              ties=args.onpolicy_ties, epochs=args.onpolicy_epochs,
-                              rm_args=[a for arg in args.extra_args for a in arg.split("=", 1)])
-        seconds["step2_onpolicy"] = time.time() - t0
+    def onpolicy_rounds():
+        """The rounds on the policy's answers not done yet (a finished one is reused: each stage is skipped
+        when its output exists)."""
+        for r in range(1, args.onpolicy_rounds + 1):
+            out = onpolicy_dir(root, r)
+            if (out / "reward_model" / "model.safetensors").exists():
+                continue
+            t0 = time.time()
+            if r == 1:
+                print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by "
+                      f"the gold scorer, the reward model trained further ({out})", flush=True)
+                onpolicy_reward_model(sft, root / "step2", out, args.onpolicy_samples,
+                                      max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
+                                      ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args)
+            else:
+                previous = step3_reward_model(args, root, r - 1)
+                print(f"\n=== step 2, round {r}: a step 3 against {previous} (the probe), then {ROUND_SAMPLES} of its "
+                      f"answers per prompt paired with {ROUND_SAMPLES} of the SFT policy's, labelled by the gold "
+                      f"scorer, the reward model trained further ({out})", flush=True)
+                if not (out / "probe" / "actor" / "model.safetensors").exists():
+                    run_step(3, args, root, out=out / "probe", reward_model=previous,
+                             extra_args=(f"--max_eval_samples={PROBE_EVAL_SAMPLES}",))
+                onpolicy_reward_model(out / "probe" / "actor", previous, out, ROUND_SAMPLES,
+                                      max_prompts=args.onpolicy_max_prompts, pairing="all", ties=args.onpolicy_ties,
+                                      epochs=args.onpolicy_epochs, rm_args=rm_args, step2=root / "step2",
+                                      compare_with=onpolicy_dir(root, 1) / "answers.jsonl", seed=7 + r)
+            seconds[out.name] = time.time() - t0
 
     for step in sorted(args.step):
-        if step == 2 and onpolicy.exists():  # its pairs and reward model came from the step 2 being replaced
-            shutil.rmtree(onpolicy)
-        if step == 3 and uses_onpolicy(args) and not onpolicy.exists():  # --step 3 alone after a step 2 without it
-            onpolicy_round()
+        if step == 2:  # the rounds' pairs and reward models came from the step 2 being replaced
+            for old in [root / "step2_onpolicy", *root.glob("step2_onpolicy_round*")]:
+                shutil.rmtree(old, ignore_errors=True)
+        if step == 3 and uses_onpolicy(args):  # --step 3 alone after a step 2 without (all of) them
+            onpolicy_rounds()
         seconds[step] = run_step(step, args, root)
         if step == 2 and uses_onpolicy(args):
-            onpolicy_round()
-    summary = summarize(root, seconds)
+            onpolicy_rounds()
+    summary = summarize(root, seconds, args.onpolicy_rounds if uses_onpolicy(args) else 1)
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
-    models = [root / f"step{k}" for k in (1, 2) if k in seconds] + (
-        [root / "step2_onpolicy/reward_model"] if "step2_onpolicy" in seconds else []) + (
-        [root / "step3/actor"] if 3 in seconds else [])
+    models = [root / f"step{k}" for k in (1, 2) if k in seconds] + [
+        onpolicy_dir(root, r) / "reward_model" for r in range(1, args.onpolicy_rounds + 1)
+        if onpolicy_dir(root, r).name in seconds] + ([root / "step3/actor"] if 3 in seconds else [])
     print(f"\nwritten: {root / 'summary.json'}; models: {', '.join(map(str, models))}")
     return 0
 

@@ -94,6 +94,25 @@ def read_generations(path: str | Path) -> dict[str, list[Answer]]:
     return groups
 
 
+def pool_generations(sources: Sequence[dict[str, list[Answer]]], max_samples: int = 0) -> dict[str, list[Answer]]:
+    """Several policies' answers to the same prompts, pooled per prompt id: the first ``max_samples`` of each
+    source's answers to a prompt (0: all), in source order, numbered 0, 1, ... across the pool — how an iterated
+    round compares a new policy's answers with an earlier one's (Llama 2 sampled each comparison from two model
+    versions).  A prompt id missing from a source pools what the others have; one whose prompt text differs
+    between sources is an error."""
+    if max_samples < 0:
+        raise ConfigError(f"--max_samples must be >= 0, got {max_samples}")
+    pooled: dict[str, list[Answer]] = {}
+    for source in sources:
+        for pid, answers in source.items():
+            group = pooled.setdefault(pid, [])
+            if group and group[0].prompt != answers[0].prompt:
+                raise ConfigError(f"prompt id {pid!r} names different prompts in two --generations files")
+            for a in answers[:max_samples or None]:
+                group.append(Answer(pid, len(group), a.prompt, a.response, a.ended))
+    return pooled
+
+
 Scorer = Callable[[Sequence[str], Sequence[str], Sequence[bool]], Sequence[float]]
 
 
