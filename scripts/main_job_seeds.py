@@ -40,6 +40,8 @@ def seed_row(folder: Path) -> dict:
            "rm_accuracy_synthetic": s.get("step2_final_accuracy"),
            "rm_accuracy_policy_before": s.get("step2_onpolicy_accuracy_before"),
            "rm_accuracy_policy": s.get("step2_onpolicy_accuracy"),
+           "rm_accuracy_round2_before": s.get("step2_onpolicy_round2_accuracy_before"),
+           "rm_accuracy_round2": s.get("step2_onpolicy_round2_accuracy"),
            "sft": {k: s["initial_policy"].get(k) for k in (*KEYS, "gold_score_se")},
            "rlhf": {k: s["final_policy"].get(k) for k in (*KEYS, "gold_score_se")}}
     oracle = folder / "step3_oracle" / "summary.json"
@@ -68,18 +70,22 @@ def write_markdown(report: dict, path: Path) -> str:
              f"{next(iter(rows.values()))['prompts']} held-out prompts; the oracle is step 3 from the same SFT "
              "policy with the gold scorer as the reward, its KL coefficient scaled by the gold score's spread over "
              "the reward model's (the same β per unit of reward spread).", "",
-             "| seed | SFT gold | MA-PPO (learned RM) gold | gain | oracle gold | invented SFT → RLHF | repeated "
-             "SFT → RLHF | EOS | RM acc. synthetic | RM acc. policy pairs before → after | minutes |",
-             "|---" * 11 + "|"]
+             "| seed | SFT gold | MA-PPO (learned RM) gold | gain (in its se) | oracle gold | invented SFT → RLHF | "
+             "repeated SFT → RLHF | EOS | RM acc. synthetic | RM acc. policy pairs before → after | RM acc. round 2 "
+             "before → after | minutes |",
+             "|---" * 12 + "|"]
     for seed, r in rows.items():
         sft, rl, orc = r["sft"], r["rlhf"], r.get("oracle")
+        round2 = (f"{r['rm_accuracy_round2_before']:.3f} → {r['rm_accuracy_round2']:.3f}"
+                  if r.get("rm_accuracy_round2") is not None else "—")
         lines.append(
             f"| {seed} | {sft['gold_score']:.3f} ± {sft['gold_score_se']:.3f} | {rl['gold_score']:.3f} ± "
-            f"{rl['gold_score_se']:.3f} | {rl['gold_score'] - sft['gold_score']:+.3f} | "
+            f"{rl['gold_score_se']:.3f} | {gain(r):+.3f} ({gain(r) / gain_se(r):+.1f}) | "
             + (f"{orc['gold_score']:.3f} ± {orc['gold_score_se']:.3f}" if orc else "—")
             + f" | {sft['gold_invented']:.3f} → {rl['gold_invented']:.3f} | {sft['gold_repeated']:.3f} → "
             f"{rl['gold_repeated']:.3f} | {rl['eos_rate']:.3f} | {r['rm_accuracy_synthetic']:.3f} | "
-            f"{r['rm_accuracy_policy_before']:.3f} → {r['rm_accuracy_policy']:.3f} | {r['total_seconds'] / 60:.1f} |")
+            f"{r['rm_accuracy_policy_before']:.3f} → {r['rm_accuracy_policy']:.3f} | {round2} | "
+            f"{r['total_seconds'] / 60:.1f} |")
     agg = report["aggregate"]
     lines += ["", "Over seeds (mean ± standard error over seeds; on a seed, ± is the standard error over prompts):",
               "",
@@ -87,12 +93,25 @@ def write_markdown(report: dict, path: Path) -> str:
     lines += [f"| {k} | {m:.3f} ± {se:.3f} |" for k, (m, se) in agg.items()]
     lines += ["", "RM accuracy on policy pairs: the reward model's pair accuracy, against the annotator's labels, "
               "on the held-out pairs of the SFT policy's answers (before: the step-2 model trained on synthetic "
-              "pairs only; after: trained further on the policy's answers).  Minutes: the whole main job.", ""]
+              "pairs only; after: trained further on the policy's answers).  RM accuracy round 2: the same on "
+              "held-out pairs of a probe step 3's answers and the SFT policy's (before: the round-1 model).  Gain "
+              "in its se: the gain over its standard error, √(se_SFT² + se_final²) over the held-out prompts.  "
+              "Minutes: the whole main job.", ""]
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.with_suffix(".json").write_text(json.dumps(report, indent=1))
     return text
+
+
+def gain(row: dict) -> float:
+    return row["rlhf"]["gold_score"] - row["sft"]["gold_score"]
+
+
+def gain_se(row: dict) -> float:
+    """The gain's standard error over the held-out prompts, as if the two evaluations were independent (they
+    share the prompts, so this is an upper bound)."""
+    return (row["sft"]["gold_score_se"] ** 2 + row["rlhf"]["gold_score_se"] ** 2) ** 0.5
 
 
 def aggregate(rows: dict) -> dict:
@@ -107,7 +126,10 @@ def aggregate(rows: dict) -> dict:
         out["oracle gain over SFT"] = mean_se([r["oracle"]["gold_score"] - r["sft"]["gold_score"] for r in seeds])
         out["oracle KL coefficient"] = mean_se([r["oracle_kl_ctl"] for r in seeds])
     out["RM accuracy on policy pairs"] = mean_se([r["rm_accuracy_policy"] for r in seeds])
+    out["seeds gaining more than their se"] = (sum(gain(r) > gain_se(r) for r in seeds), 0.0)
     out["main job minutes"] = mean_se([r["total_seconds"] / 60 for r in seeds])
+    for stage in seeds[0]["seconds"]:
+        out[f"minutes, {stage}"] = mean_se([r["seconds"].get(stage, float("nan")) / 60 for r in seeds])
     return out
 
 

@@ -217,3 +217,55 @@ def test_experiment_script_scores_pairs_against_the_gold_order(tmp_path):
     assert acc["gold separated"] == {"accuracy": 1 / 3, "pairs": 3}
     assert acc["all pairs"] == {"accuracy": 0.4, "pairs": 5}
     assert mod.mean_se([1.0, 2.0, 3.0]) == (2.0, pytest.approx(math.sqrt(1 / 3), abs=1e-15))  # lab/summary.py
+
+
+def test_pooled_generations_take_the_first_answers_of_each_file_in_order():
+    """An iterated round pools a new policy's answers with an earlier one's: per prompt, the first
+    ``max_samples`` of each source in source order, renumbered 0, 1, ...; a prompt missing from a source pools
+    what the others have; the same id naming two prompts is an error."""
+    from marlhf.data.onpolicy import pool_generations
+    from marlhf.errors import ConfigError
+
+    def source(tag, prompts):
+        return {pid: [Answer(pid, k, f"prompt {pid}", f"{tag}{k}", True) for k in range(n)] for pid, n in prompts}
+
+    new, old = source("new", [("a", 2), ("b", 2)]), source("old", [("a", 4), ("c", 3)])
+    pooled = pool_generations([new, old], max_samples=2)
+    assert {pid: [x.response for x in g] for pid, g in pooled.items()} == {
+        "a": ["new0", "new1", "old0", "old1"], "b": ["new0", "new1"], "c": ["old0", "old1"]}
+    assert [x.sample for x in pooled["a"]] == [0, 1, 2, 3] and pooled["a"][2].prompt == "prompt a"
+    assert [x.response for x in pool_generations([new, old])["a"]] == ["new0", "new1", "old0", "old1", "old2", "old3"]
+    # all 6 pairs of a pooled prompt: one within each policy, four across
+    pairs, counts = label_pairs({"a": pooled["a"]}, lambda p, r, e: [float(x.startswith("new")) + int(x[-1])
+                                                                     for x in r], 0.0, seed=0, pairing="all")
+    assert counts["pairs"] == 6 and sum(p["chosen"][:3] != p["rejected"][:3] for p in pairs) == 4
+    clash = {"a": [Answer("a", 0, "another prompt", "x", True)]}
+    with pytest.raises(ConfigError, match="'a'.*different prompts"):
+        pool_generations([new, clash])
+    with pytest.raises(ConfigError, match="--max_samples"):
+        pool_generations([new], max_samples=-1)
+
+
+def test_command_pools_several_files_and_caches_by_all_of_them(tmp_path):
+    """``marlhf label --generations NEW OLD --max_samples 2``: the pairs mix both files' answers, and the folder
+    is relabelled when either file or --max_samples changes."""
+    from marlhf.data.synthetic import SyntheticConfig, generate
+
+    recs = [r for r in generate(SyntheticConfig(num_records=30, seed=4)) if r.chosen != r.rejected][:10]
+    new, old, out = tmp_path / "new.jsonl", tmp_path / "old.jsonl", tmp_path / "pairs"
+    write_generations(new, [(r.prompt, [r.chosen, r.rejected]) for r in recs])
+    write_generations(old, [(r.prompt, [r.chosen + " Old.", r.rejected + " Old.", "ccc"]) for r in recs])
+    argv = ["--generations", str(new), str(old), "--max_samples", "2", "--pairing", "all", "--eval_fraction", "0",
+            "--output", str(out)]
+    assert label_main(argv) == 0
+    info = json.loads((out / "label.json").read_text())
+    assert info["counts"]["answers"] == 40 and info["counts"]["pairs"] == 60  # 4 answers, 6 pairs per prompt
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert sum(r["chosen"].endswith("Old.") != r["rejected"].endswith("Old.") for r in rows) == 40  # 4 of 6 across
+    assert not any("ccc" in r["chosen"] + r["rejected"] for r in rows)  # the third old answer is not taken
+    stamp = (out / "train.jsonl").stat().st_mtime_ns
+    assert label_main(argv) == 0 and (out / "train.jsonl").stat().st_mtime_ns == stamp  # cached
+    write_generations(old, [(r.prompt, [r.chosen + " Changed.", r.rejected + " Old."]) for r in recs])
+    assert label_main(argv) == 0 and (out / "train.jsonl").stat().st_mtime_ns != stamp  # one file changed
+    assert label_main(argv[:3] + ["--max_samples", "1"] + argv[5:]) == 0
+    assert json.loads((out / "label.json").read_text())["counts"]["answers"] == 20

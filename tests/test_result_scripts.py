@@ -108,8 +108,18 @@ def test_main_job_table_and_means(tmp_path):
     assert agg["oracle gain over SFT"][0] == pytest.approx(0.13)
     assert agg["main job minutes"][0] == pytest.approx(520 / 60)
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
-    assert "| 1 | 0.500 ± 0.020 | 0.580 ± 0.020 | +0.080 | 0.660 ± 0.020 | 0.500 → 0.500 |" in text
+    # the gain in its standard error: 0.08 / √(0.02² + 0.02²) = 2.8
+    assert "| 1 | 0.500 ± 0.020 | 0.580 ± 0.020 | +0.080 (+2.8) | 0.660 ± 0.020 | 0.500 → 0.500 |" in text
     assert "| gain over SFT | 0.070 ± 0.010 |" in text
+    assert "| seeds gaining more than their se | 2.000 ± 0.000 |" in text
+    assert "| minutes, step2_onpolicy | 3.333 ± 0.000 |" in text
+    assert "0.660 → 0.750 | — |" in text  # no second round in these runs
+    summary = json.loads((tmp_path / "seed2/summary.json").read_text())
+    summary.update(step2_onpolicy_round2_accuracy_before=0.7, step2_onpolicy_round2_accuracy=0.8)
+    (tmp_path / "seed2/summary.json").write_text(json.dumps(summary))
+    rows[2] = seeds_script.seed_row(tmp_path / "seed2")
+    text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
+    assert "0.660 → 0.750 | 0.700 → 0.800 |" in text
     # the numbers behind the table beside it, from the same report (a stale JSON once sat next to a newer table)
     saved = json.loads((tmp_path / "t.json").read_text())
     assert saved["aggregate"]["gain over SFT"] == pytest.approx(list(agg["gain over SFT"]))
