@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     run_dir, out = Path(args.run).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     step3 = json.loads((run_dir / "step3" / "args.json").read_text())
-    reward_model = Path(step3["critic_model_name_or_path"])  # the main job's: its last round's, or step 2's
+    reward_model = Path(step3["critic_model_name_or_path"]).resolve()  # the main job's: its last round's, or step 2's
     config = {k: v for k, v in step3.items() if k not in ("output_dir", "tensorboard_path", "local_rank",
                                                             "critic_model_name_or_path", "data_output_path")}
     config.update(max_steps=args.steps, eval_interval=args.eval_interval, kl_ctl=args.kl_ctl,
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
             runs.append(run_points(dest))
         if runs:
             curves[name], per_seed[name] = aggregate(runs), runs
-    settings = {**vars(args), "reward_model": str(reward_model.relative_to(run_dir)), "machine": machine(),
+    shown = reward_model.relative_to(run_dir) if reward_model.is_relative_to(run_dir) else reward_model
+    settings = {**vars(args), "reward_model": str(shown), "machine": machine(),
                 "command": "python scripts/frontier.py --run RUN --out OUT --steps {steps} --eval_interval "
                            "{eval_interval} --kl_ctl {kl_ctl} --seeds {s}".format(**vars(args),
                                                                                    s=" ".join(map(str, args.seeds)))}
