@@ -190,7 +190,7 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
         extra = [f"--extra_args=--max_steps={QUICK_BASE_STEPS}", "--onpolicy_samples", "0"] if args.quick else []
         steps = [s for s, given in ((1, args.sft), (2, args.rm)) if not given]
         cmd = [sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(base), "--step", *map(str, steps),
-               "--onpolicy_rounds", "1", *(["--actor_model", args.sft] if args.sft else []), *extra]
+               *(["--actor_model", args.sft] if args.sft else []), "--onpolicy_rounds", "1", *extra]
         env = {"MODEL_PATH": args.sft} if args.sft else {}
         commands.append(shlex.join(["python", *cmd[1:]]))
         if not (base / "summary.json").exists() and not args.report_only:

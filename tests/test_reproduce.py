@@ -346,13 +346,14 @@ def test_the_gold_rewards_grid_is_the_reward_models_with_beta_scaled_to_the_gold
 
 def test_the_full_sweep_starts_from_the_main_jobs_reward_model(tmp_path):
     """Its base is the main job's steps 1-2, step 2 ending with the reward model trained on the SFT policy's
-    answers, and that model is every run's reward; ``--quick`` skips the round and uses step 2's; given models
-    are used as they are, the SFT model also answering for the round."""
+    answers (one round), and that model is every run's reward; ``--quick`` skips the round and uses step 2's;
+    given models are used as they are, the SFT model also answering for the round."""
     from reproduce import base_models, parse_args
 
     sft, rm, cmds = base_models(parse_args(["--dry_run"]), tmp_path)
     assert (sft, rm) == (str(tmp_path / "base/step1"), str(tmp_path / "base/step2_onpolicy/reward_model"))
     assert "--step 1 2" in cmds[0] and "--onpolicy_samples" not in cmds[0]
+    assert "--onpolicy_rounds 1" in cmds[0]  # the records were made with one round (the main job has two since)
     sft, rm, cmds = base_models(parse_args(["--dry_run", "--quick"]), tmp_path)
     assert rm == str(tmp_path / "base/step2") and "--onpolicy_samples 0" in cmds[0]
     sft, rm, cmds = base_models(parse_args(["--dry_run", "--sft", "/m/sft"]), tmp_path)
