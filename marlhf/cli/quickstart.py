@@ -108,14 +108,14 @@ def uses_onpolicy(args) -> bool:
             and args.reward_model is None)
 
 
-def step3_reward_model(args, root: Path, rounds: int | None = None) -> Path:
-    """Step 3's reward model (and critic): --reward_model, else the last of ``rounds`` rounds on the policy's
-    answers (default --onpolicy_rounds), else step 2's."""
+def step3_reward_model(args, root: Path) -> Path:
+    """Step 3's reward model (and critic): --reward_model, else the last round's on the policy's answers, else
+    step 2's."""
     if args.reward_model:
         return Path(args.reward_model)
     if not uses_onpolicy(args):
         return root / "step2"
-    return onpolicy_dir(root, args.onpolicy_rounds if rounds is None else rounds) / "reward_model"
+    return onpolicy_dir(root, args.onpolicy_rounds) / "reward_model"
 
 
 def run_step(step: int, args, root: Path, out: Path | None = None, reward_model: Path | None = None,
@@ -242,11 +242,10 @@ def summarize(root: Path, seconds: dict, rounds: int = 1) -> dict:
     for r in range(1, rounds + 1):
         # held-out pairs of the policies' own answers, labelled by the annotator: round 1 the SFT policy's,
         # a later round the probe's against the SFT policy's
-        onpolicy = onpolicy_dir(root, r) / "reward_model"
-        key = "step2_onpolicy" if r == 1 else f"step2_onpolicy_round{r}"
-        if onpolicy.exists():
-            summary[f"{key}_accuracy_before"] = first_metric(onpolicy, "eval/accuracy")
-            summary[f"{key}_accuracy"] = last_metric(onpolicy, "eval/accuracy")
+        folder = onpolicy_dir(root, r)
+        if (folder / "reward_model").exists():
+            summary[f"{folder.name}_accuracy_before"] = first_metric(folder / "reward_model", "eval/accuracy")
+            summary[f"{folder.name}_accuracy"] = last_metric(folder / "reward_model", "eval/accuracy")
     s3 = root / "step3" / "summary.json"
     if s3.exists():
         summary.update(json.loads(s3.read_text()))
@@ -307,7 +306,7 @@ def main(argv=None) -> int:
                                       max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
                                       ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args)
             else:
-                previous = step3_reward_model(args, root, r - 1)
+                previous = onpolicy_dir(root, r - 1) / "reward_model"
                 print(f"\n=== step 2, round {r}: a step 3 against {previous} (the probe), then {ROUND_SAMPLES} of its "
                       f"answers per prompt paired with {ROUND_SAMPLES} of the SFT policy's, labelled by the gold "
                       f"scorer, the reward model trained further ({out})", flush=True)
