@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from marlhf import loop
 from marlhf.data.pipeline import PairCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.models.forward import labelled_logits, last_token_index, sequence_scores, token_values
+from marlhf.models.forward import labelled_logits, last_token_index, token_values
 from marlhf.models.logprobs import token_logprobs
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_section
@@ -42,6 +42,7 @@ class Objective:
     evaluate: Callable  # (model, loader) -> {metric: float}
     count: Callable = None  # batch -> units the loss averages over (response tokens / pairs), see optim_step
     length: Callable = None  # example -> its tokens, for --group_by_length
+    group: Callable = None  # example -> its group (a pair's prompt): a group's examples are batched together
 
 
 def answer_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,15 +119,30 @@ def divergence_pairwise_loss(values: torch.Tensor, input_ids: torch.Tensor, atte
     return ((per_token * span).sum(1) / span.sum(1)).mean()
 
 
+def pair_rows(batch: dict) -> torch.Tensor:
+    """The rows each pair compares in a :class:`PairCollator` batch, chosen rows then rejected rows: (2B,)
+    (default: the layout of distinct pairs, rows [0, B) over [B, 2B))."""
+    if "chosen" in batch:
+        return torch.cat([batch["chosen"], batch["rejected"]]).to(batch["input_ids"].device)
+    return torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+
+
+def _pair_values(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards of each row, once per distinct sequence (R, T), and the rows of the pairs (2B,)."""
+    values = token_values(model, batch["input_ids"], batch["attention_mask"], batch["response_start"],
+                          batch.get("prefix_width", 0), batch.get("prefix_index"))
+    return values, pair_rows(batch)
+
+
 def reward_loss(model, batch: dict, label_smoothing: float = 0.0, kind: str = "last"):
     """``kind`` "last": Bradley–Terry on the final-token scores (the score step 3 uses); "divergence": on the
     per-token rewards of the span where the pair differs (DeepSpeed-Chat's).  Accuracy is on the scores."""
-    values = token_values(model, batch["input_ids"], batch["attention_mask"], batch["response_start"],
-                          batch.get("prefix_width", 0))  # (2B, T)
+    values, rows = _pair_values(model, batch)
     scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
-    chosen, rejected = scores.chunk(2)
-    if kind == "divergence":
-        loss = divergence_pairwise_loss(values, batch["input_ids"], batch["attention_mask"], label_smoothing)
+    chosen, rejected = scores[rows].chunk(2)
+    if kind == "divergence":  # a group's rows share their columns: the pair's two rows stay aligned
+        loss = divergence_pairwise_loss(values[rows], batch["input_ids"][rows], batch["attention_mask"][rows],
+                                        label_smoothing)
     else:
         loss = pairwise_loss(chosen, rejected, label_smoothing)
     return loss, {"loss": loss.detach(), "accuracy": (chosen > rejected).float().mean()}
@@ -138,8 +154,9 @@ def reward_evaluate(model, loader) -> dict:
     total = torch.zeros(4, dtype=torch.float64)  # correct, chosen sum, rejected sum, count
     for batch in loader:
         batch = _to_device(batch)
-        chosen, rejected = sequence_scores(model, batch["input_ids"], batch["attention_mask"],
-                                           batch["response_start"], batch.get("prefix_width", 0)).chunk(2)
+        values, rows = _pair_values(model, batch)
+        scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
+        chosen, rejected = scores[rows].chunk(2)
         total += torch.tensor([(chosen > rejected).sum().item(), chosen.sum().item(), rejected.sum().item(),
                                chosen.numel()], dtype=torch.float64)
     model.train()
@@ -155,7 +172,7 @@ def sft_count(batch: dict) -> int:
 
 
 def pair_count(batch: dict) -> int:
-    return batch["input_ids"].shape[0] // 2
+    return len(batch["chosen"]) if "chosen" in batch else batch["input_ids"].shape[0] // 2
 
 
 def sft_length(example: dict) -> int:
@@ -164,6 +181,11 @@ def sft_length(example: dict) -> int:
 
 def pair_length(example: dict) -> int:
     return len(example["chosen_ids"]) + len(example["rejected_ids"])
+
+
+def pair_prompt(example: dict) -> tuple:
+    """A pair's prompt tokens: the pairs of one prompt go in one batch, where its answers run once each."""
+    return tuple(example["chosen_ids"][:example["chosen_start"]])
 
 
 def sft_objective(pad_id: int) -> Objective:
@@ -177,7 +199,7 @@ def reward_objective(pad_id: int, label_smoothing: float = 0.0, kind: str = "las
     if kind not in REWARD_LOSSES:
         raise ValueError(f"reward loss must be one of {REWARD_LOSSES}, got {kind!r}")
     loss = functools.partial(reward_loss, label_smoothing=label_smoothing, kind=kind)
-    return Objective("reward", PairCollator(pad_id), loss, reward_evaluate, pair_count, pair_length)
+    return Objective("reward", PairCollator(pad_id), loss, reward_evaluate, pair_count, pair_length, pair_prompt)
 
 
 def _to_device(batch: dict) -> dict:
@@ -260,7 +282,8 @@ def train(model, train_items: list[dict], eval_items: list[dict], objective: Obj
     ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
     mb, ga = section.micro_batch, section.gradient_accumulation_steps
     lengths = [objective.length(item) for item in train_items] if section.group_by_length else None
-    sampler = ResumableSampler(len(train_items), section.seed, lengths=lengths, batch_size=mb)
+    groups = [objective.group(item) for item in train_items] if objective.group else None
+    sampler = ResumableSampler(len(train_items), section.seed, lengths=lengths, batch_size=mb, groups=groups)
     loader = make_loader(train_items, mb, sampler, objective.collator)
     eval_loader = make_loader(eval_items, section.eval_micro_batch,
                               ResumableSampler(len(eval_items), section.seed, shuffle=False), objective.collator)

@@ -236,12 +236,12 @@ def test_max_eval_samples_counts_kept_examples(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- sampler
-def _rank_batches(n, lengths, batch, world, epoch=0, skip=0, seed=3):
+def _rank_batches(n, lengths, batch, world, epoch=0, skip=0, seed=3, groups=None):
     from marlhf.data.pipeline import ResumableSampler
 
     out = []
     for rank in range(world):
-        s = ResumableSampler(n, seed, lengths=lengths, batch_size=batch)
+        s = ResumableSampler(n, seed, lengths=lengths, batch_size=batch, groups=groups)
         s.rank, s.world = rank, world
         s.set_epoch(epoch, skip)
         order = list(s)
@@ -294,3 +294,61 @@ def test_group_by_length_rejects_lengths_of_another_dataset():
 
     with pytest.raises(ValueError, match="3 lengths for 4 items"):
         ResumableSampler(4, 0, lengths=[1, 2, 3])
+    with pytest.raises(ValueError, match="5 groups for 4 items"):
+        ResumableSampler(4, 0, groups=list("abcde"))
+
+
+def _grouped_items(seed: int = 0) -> list[str]:
+    """Each item's group (a prompt with 1 to 6 pairs), the groups' items scattered over the dataset."""
+    g = torch.Generator().manual_seed(seed)
+    groups = [f"p{k}" for k in range(40) for _ in range(1 + k % 6)]
+    return [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
+
+
+def _runs(order: list[int], groups: list[str]) -> int:
+    """How many runs of consecutive items of one group ``order`` makes."""
+    return sum(1 for i, x in enumerate(order) if i == 0 or groups[x] != groups[order[i - 1]])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("by_length", [False, True])
+def test_groups_stay_together_and_every_item_is_seen_once(world, by_length):
+    groups = _grouped_items()
+    n, batch = len(groups), 4
+    lengths = [(7 * i) % 31 + 1 for i in range(n)] if by_length else None
+    ranks = _rank_batches(n, lengths, batch, world, groups=groups)
+    seen = sorted(i for r in ranks for b in r for i in b)
+    per_rank = math.ceil(n / world)
+    assert len(seen) == per_rank * world and sorted(set(seen)) == list(range(n))
+    # a group is cut only where a batch ends: within a batch its items are consecutive, and a group's items
+    # lie in as many batches as its size needs at most one more
+    for r in ranks:
+        for b in r:
+            assert _runs(b, groups) == len({groups[i] for i in b})
+    batches = [b for r in ranks for b in r]
+    for name in set(groups):
+        size = groups.count(name)
+        holding = sum(1 for b in batches if any(groups[i] == name for i in b))
+        assert holding <= math.ceil(size / batch) + 1
+    # the ungrouped sampler scatters them
+    plain = _rank_batches(n, lengths, batch, world)
+    assert sum(_runs(b, groups) for r in plain for b in r) > 1.5 * sum(_runs(b, groups) for b in batches)
+
+
+def test_groups_of_one_item_are_the_plain_permutation():
+    n = 50
+    for lengths in (None, [(7 * i) % 31 + 1 for i in range(n)]):
+        for world in (1, 2):
+            assert _rank_batches(n, lengths, 4, world, epoch=2) == _rank_batches(
+                n, lengths, 4, world, epoch=2, groups=[f"g{i}" for i in range(n)])
+
+
+def test_grouped_order_is_seeded_per_epoch_and_resumes_mid_epoch():
+    groups = _grouped_items(1)
+    n = len(groups)
+    a = _rank_batches(n, None, 4, 2, epoch=1, groups=groups)
+    assert a == _rank_batches(n, None, 4, 2, epoch=1, groups=groups)
+    assert a != _rank_batches(n, None, 4, 2, epoch=2, groups=groups)
+    resumed = _rank_batches(n, None, 4, 2, epoch=1, skip=6, groups=groups)
+    for rank in range(2):
+        assert [i for b in resumed[rank] for i in b] == [i for b in a[rank] for i in b][6:]

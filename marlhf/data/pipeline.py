@@ -330,27 +330,70 @@ class SFTCollator:
 
 
 class PairCollator:
-    """Chosen sequences stacked over rejected ones, rows [0, B) chosen and [B, 2B) rejected, laid out so that
-    each pair's common prefix can be run once (:func:`marlhf.models.forward.pair_hidden_states`): row i and row
-    B + i are [left padding, the tokens the two sequences share, the row's own rest, right padding], the shared
-    part ending at column ``prefix_width`` in every pair.  Each side keeps at least its last token after it.
+    """A batch of preference pairs as its distinct sequences, each prompt's prefix laid out to run once.
+
+    Pairs that share a prompt (K answers ranked per prompt: InstructGPT's batches, or ``marlhf label``'s all
+    pairs of K answers) share their sequences: each distinct sequence is one row, and ``chosen`` / ``rejected``
+    (B,) say which rows pair i compares, so K answers forwarded once serve their K(K-1)/2 pairs.  Rows come in
+    the order they first appear among the chosen then the rejected sequences: a batch of distinct pairs is rows
+    [0, B) chosen over [B, 2B) rejected.
+
+    Rows that share a prompt form a group (``prefix_index`` (R,): each row's group) laid out as [left padding,
+    the tokens all of the group's rows share, the row's own rest, right padding], the shared part ending at
+    column ``prefix_width`` in every group, so that it runs once per group
+    (:func:`marlhf.models.forward.pair_hidden_states`); each row keeps at least its last token after it.
     ``response_start`` is each row's first answer column in this layout."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def __call__(self, batch: list[dict]) -> dict:
-        shared = [_common_prefix(b["chosen_ids"], b["rejected_ids"]) for b in batch]
+        rows, starts, row_of = [], [], {}
+        for side in ("chosen", "rejected"):
+            for b in batch:
+                key = tuple(b[f"{side}_ids"])
+                if key not in row_of:
+                    row_of[key] = len(rows)
+                    rows.append(b[f"{side}_ids"])
+                    starts.append(b[f"{side}_start"])
+        chosen = [row_of[tuple(b["chosen_ids"])] for b in batch]
+        rejected = [row_of[tuple(b["rejected_ids"])] for b in batch]
+        group = _prompt_groups(rows, starts, zip(chosen, rejected))
+        shared = [len(ids) - 1 for ids in rows]  # per group: the columns all its rows share
+        first: dict[int, int] = {}
+        for r, g in enumerate(group):
+            first.setdefault(g, r)
+        for r, g in enumerate(group):
+            shared[first[g]] = min(shared[first[g]], _common_prefix(rows[first[g]], rows[r]))
+        shared = [shared[first[g]] for g in group]
         width = max(shared)
-        rows = [(b["chosen_ids"], b["chosen_start"]) for b in batch] + [(b["rejected_ids"], b["rejected_start"])
-                                                                       for b in batch]
-        shared = shared + shared
-        prefix, prefix_mask = _pad([ids[:k] for (ids, _), k in zip(rows, shared)], self.pad_id, left=True,
-                                   width=width)
-        rest, rest_mask = _pad([ids[k:] for (ids, _), k in zip(rows, shared)], self.pad_id)
+        prefix, prefix_mask = _pad([ids[:k] for ids, k in zip(rows, shared)], self.pad_id, left=True, width=width)
+        rest, rest_mask = _pad([ids[k:] for ids, k in zip(rows, shared)], self.pad_id)
         ids, mask = torch.cat([prefix, rest], dim=1), torch.cat([prefix_mask, rest_mask], dim=1)
-        start = torch.tensor([s + width - k for (_, s), k in zip(rows, shared)])
-        return {"input_ids": ids, "attention_mask": mask, "response_start": start, "prefix_width": width}
+        start = torch.tensor([s + width - k for s, k in zip(starts, shared)])
+        return {"input_ids": ids, "attention_mask": mask, "response_start": start, "prefix_width": width,
+                "prefix_index": torch.tensor(group), "chosen": torch.tensor(chosen), "rejected": torch.tensor(rejected)}
+
+
+def _prompt_groups(rows: list[list[int]], starts: list[int], pairs) -> list[int]:
+    """Each row's group, numbered in order of first appearance: rows with the same prompt tokens, and the two
+    rows of a pair (their prompts may tokenize apart where an answer merges with the prompt's last token)."""
+    parent = list(range(len(rows)))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    by_prompt: dict[tuple, int] = {}
+    for r, (ids, s) in enumerate(zip(rows, starts)):
+        other = by_prompt.setdefault(tuple(ids[:s]), r)
+        parent[root(r)] = root(other)
+    for c, r in pairs:
+        parent[root(r)] = root(c)
+    number: dict[int, int] = {}
+    return [number.setdefault(root(r), len(number)) for r in range(len(rows))]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -385,16 +428,30 @@ class ResumableSampler(Sampler):
     With ``lengths`` (each item's cost, e.g. its tokens) the permutation is grouped by length, as transformers'
     ``group_by_length``: cut into mega-batches of :data:`MEGA_BATCHES` global batches (``batch_size`` items per
     rank, all ranks), each sorted by length and cut into global batches again, whose order is then shuffled.
-    A batch then holds items of similar length and pads little; every item is still seen once per epoch."""
+    A batch then holds items of similar length and pads little; every item is still seen once per epoch.
+
+    With ``groups`` (each item's group, e.g. the prompt of a preference pair) the groups are permuted instead
+    of the items, a group's items staying consecutive, and each rank takes consecutive items of every global
+    batch, so that a group is cut only where a batch ends (a batch of K answers' pairs runs each answer once:
+    :class:`PairCollator`).  With one item per group this is the plain permutation."""
 
     MEGA_BATCHES = 50
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, lengths: list[int] | None = None,
-                 batch_size: int = 1):
-        if lengths is not None and len(lengths) != n:
-            raise ValueError(f"{len(lengths)} lengths for {n} items")
+                 batch_size: int = 1, groups: list | None = None):
+        for what, given in (("lengths", lengths), ("groups", groups)):
+            if given is not None and len(given) != n:
+                raise ValueError(f"{len(given)} {what} for {n} items")
         self.n, self.seed, self.shuffle = n, seed, shuffle
         self.lengths, self.batch_size = lengths, batch_size
+        self.members = self.group_of = None
+        if groups is not None:  # each group's items, groups in order of first appearance
+            members: dict = {}
+            for i, g in enumerate(groups):
+                members.setdefault(g, []).append(i)
+            if len(members) < n:  # else every item is its own group: the plain sampler
+                self.members = list(members.values())
+                self.group_of = {i: k for k, items in enumerate(self.members) for i in items}
         self.rank, self.world = dist.rank(), dist.world_size()
         self.epoch, self.skip = 0, 0
 
@@ -403,25 +460,54 @@ class ResumableSampler(Sampler):
 
     def _indices(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
+        if self.members is None:
+            order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
+        else:
+            perm = torch.randperm(len(self.members), generator=g).tolist() if self.shuffle else range(len(self.members))
+            order = [i for k in perm for i in self.members[k]]
         per_rank = math.ceil(self.n / self.world)
         order = (order * math.ceil(per_rank * self.world / max(self.n, 1)))[: per_rank * self.world]
         if self.lengths is not None:
             order = self._grouped(order, g)
+        if self.members is not None and self.world > 1:
+            order = self._rank_contiguous(order)
         return order[self.rank::self.world]
 
     def _grouped(self, order: list[int], g: torch.Generator) -> list[int]:
         """``order`` with each mega-batch sorted by length (longest first) and its global batches shuffled; a
-        last, partial global batch stays last, so that every other one keeps its place across the ranks."""
+        last, partial global batch stays last, so that every other one keeps its place across the ranks.
+        With groups, a group sorts as one block (by its longest item)."""
         step = self.batch_size * self.world  # a global batch: rank r takes its items r, r + world, ...
         mega = step * self.MEGA_BATCHES
         out = []
         for m in range(0, len(order), mega):
-            chunk = sorted(order[m:m + mega], key=lambda i: -self.lengths[i])
+            chunk = sorted(order[m:m + mega], key=self._length_key(order[m:m + mega]))
             batches = [chunk[b:b + step] for b in range(0, len(chunk), step)]
             full = len(batches) - (len(batches[-1]) < step)
             out += [i for k in torch.randperm(full, generator=g).tolist() + list(range(full, len(batches)))
                     for i in batches[k]]
+        return out
+
+    def _length_key(self, chunk: list[int]):
+        """Longest first; with groups, a group's items as one block at its longest item's place (ties: in
+        the order the groups come in ``chunk``)."""
+        if self.members is None:
+            return lambda i: -self.lengths[i]
+        group_of, longest, first = self.group_of, {}, {}
+        for pos, i in enumerate(chunk):
+            k = group_of[i]
+            longest[k] = max(longest.get(k, 0), self.lengths[i])
+            first.setdefault(k, pos)
+        return lambda i: (-longest[group_of[i]], first[group_of[i]])
+
+    def _rank_contiguous(self, order: list[int]) -> list[int]:
+        """``order`` rearranged so that ``[rank::world]`` gives each rank a consecutive run of every global
+        batch (rank r: the r-th of its ``world`` equal parts) instead of every world-th item."""
+        step, out = self.batch_size * self.world, []
+        for b in range(0, len(order), step):
+            chunk = order[b:b + step]
+            q = len(chunk) // self.world  # the wrap above makes every chunk a multiple of world
+            out += [chunk[r * q + j] for j in range(q) for r in range(self.world)]
         return out
 
     def __iter__(self):

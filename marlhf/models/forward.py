@@ -52,11 +52,12 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       prefix_width: int = 0) -> torch.Tensor:
+                       prefix_width: int = 0, prefix_index: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states (R, T, H) of a batch, where a :class:`~marlhf.data.pipeline.PairCollator` batch's
-    shared prefix is computed once: rows [0, B) and [B, 2B) hold the same tokens in columns [0, prefix_width)
-    (a pair's prompt and whatever its two answers start with), so those columns run for the first B rows
-    only, and each row's remaining columns attend to their keys and values through the KV cache.
+    shared prefixes are computed once: the rows of one group (``prefix_index`` (R,), each row's group; default
+    the pair layout, row i and row B + i) hold the same tokens in columns [0, prefix_width) (a prompt and
+    whatever its answers start with), so those columns run for one row per group, and each row's remaining
+    columns attend to their keys and values through the KV cache.
 
     The result equals one forward over all rows (causal attention: a column sees only the columns before it).
     ``prefix_width`` 0 is that plain forward; so is a model under gradient checkpointing, which drops the
@@ -64,31 +65,37 @@ def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask:
     positions = position_ids_from_mask(attention_mask)
     rows, width = input_ids.shape
     checkpointing = base.training and getattr(base, "gradient_checkpointing", False)
-    if prefix_width <= 0 or prefix_width >= width or rows % 2 or checkpointing:
+    if prefix_index is None and rows % 2 == 0:
+        prefix_index = torch.arange(rows // 2, device=input_ids.device).repeat(2)
+    if prefix_width <= 0 or prefix_width >= width or prefix_index is None or checkpointing:
         return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                     position_ids=positions).last_hidden_state
-    half, P = rows // 2, prefix_width
-    prefix = base(input_ids=input_ids[:half, :P], attention_mask=attention_mask[:half, :P],
-                  position_ids=positions[:half, :P], use_cache=True)
+    P, prefix_index = prefix_width, prefix_index.to(input_ids.device)
+    groups = int(prefix_index.max()) + 1
+    first = torch.full((groups,), rows, device=input_ids.device).scatter_reduce(
+        0, prefix_index, torch.arange(rows, device=input_ids.device), "amin")  # one row of each group
+    prefix = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+                  position_ids=positions[first, :P], use_cache=True)
     # transformers 5.24 renamed the KV cache `cache`, output field and forward argument alike (`past_key_values`
     # warns there and goes in 5.40); 5.20-5.23 call both `past_key_values`
     name = "cache" if "cache" in prefix else "past_key_values"
     cache = prefix[name]
-    cache.batch_select_indices(torch.arange(half, device=input_ids.device).repeat(2))  # pair i -> rows i, B + i
+    cache.batch_select_indices(prefix_index)  # group g's keys and values -> each of its rows
     rest = base(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=positions[:, P:],
                 use_cache=True, **{name: cache}).last_hidden_state
-    return torch.cat([prefix.last_hidden_state.repeat(2, 1, 1), rest], dim=1)
+    return torch.cat([prefix.last_hidden_state[prefix_index], rest], dim=1)
 
 
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 response_start: torch.Tensor | int | None = None, prefix_width: int = 0) -> torch.Tensor:
+                 response_start: torch.Tensor | int | None = None, prefix_width: int = 0,
+                 prefix_index: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar head on every position: (B, T) values (the critic) / per-token rewards.  A reward model with a
     :class:`LikelihoodTerm` adds it, which needs ``response_start``: each row's first answer column (B,), or
     one column for all rows (left-padded prompts).  ``prefix_width``: a pair batch's shared columns, run
-    once (:func:`pair_hidden_states`)."""
+    once per group of ``prefix_index`` (:func:`pair_hidden_states`)."""
     inner = _unwrap(model)
     base = getattr(inner, inner.base_model_prefix)
-    hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width)
+    hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width, prefix_index)
     values = inner.score(hidden).squeeze(-1).float()  # (B, T); the head computes in float32 (Fp32Linear)
     term = getattr(inner, "likelihood", None)
     if term is None:
@@ -107,9 +114,10 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_start: torch.Tensor | int | None = None, prefix_width: int = 0) -> torch.Tensor:
+                    response_start: torch.Tensor | int | None = None, prefix_width: int = 0,
+                    prefix_index: torch.Tensor | None = None) -> torch.Tensor:
     """Reward-model score of each sequence: the head's value at its last real token, plus the likelihood term
     over the answer when the model has one (which needs ``response_start``, as :func:`token_values`).  (B,)"""
-    values = token_values(model, input_ids, attention_mask, response_start, prefix_width)
+    values = token_values(model, input_ids, attention_mask, response_start, prefix_width, prefix_index)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx[:, None]).squeeze(1)
