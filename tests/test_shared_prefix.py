@@ -291,3 +291,23 @@ def test_likelihood_term_reads_the_moved_answer_start():
                                     batch["input_ids"].shape[1], **_shared(batch))[rows]
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-4)
     assert (shared < head_only - 1).all()  # the term is there: every answer's log-probability is well below 0
+
+
+def test_step_2_batches_a_prompts_pairs_together():
+    """The reward objective's sampler groups (a pair's prompt tokens) + the collator: ranked data's batches run
+    each answer once; distinct pairs keep the plain sampler's batches."""
+    from marlhf.data.pipeline import ResumableSampler
+    from marlhf.supervised import reward_objective
+
+    objective = reward_objective(0)
+    ranked = _ranked(4, k=4)[:12] + _ranked(5, k=4)[:12]  # 4 prompts, 6 pairs each
+    keys = [objective.group(p) for p in ranked]
+    assert len(set(keys)) == 4 and all(keys[i] == keys[6 * (i // 6)] for i in range(len(ranked)))
+    order = list(ResumableSampler(len(ranked), 0, batch_size=6, groups=keys))
+    batches = [objective.collator([ranked[i] for i in order[b:b + 6]]) for b in range(0, len(order), 6)]
+    assert [b["input_ids"].shape[0] for b in batches] == [4, 4, 4, 4]  # 6 pairs of 4 answers: 4 rows, not 12
+    assert all(int(b["prefix_index"].max()) == 0 for b in batches)  # one prompt per batch, its prefix run once
+    distinct = _pairs(0) + _pairs(1) + _pairs(2)
+    groups = [objective.group(p) for p in distinct]
+    assert len(set(groups)) == len(distinct)
+    assert list(ResumableSampler(len(distinct), 0, groups=groups)) == list(ResumableSampler(len(distinct), 0))
