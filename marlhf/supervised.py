@@ -119,29 +119,23 @@ def divergence_pairwise_loss(values: torch.Tensor, input_ids: torch.Tensor, atte
     return ((per_token * span).sum(1) / span.sum(1)).mean()
 
 
-def pair_rows(batch: dict) -> torch.Tensor:
-    """The rows each pair compares in a :class:`PairCollator` batch, chosen rows then rejected rows: (2B,)
-    (default: the layout of distinct pairs, rows [0, B) over [B, 2B))."""
-    if "chosen" in batch:
-        return torch.cat([batch["chosen"], batch["rejected"]]).to(batch["input_ids"].device)
-    return torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device)
-
-
-def _pair_values(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards of each row, once per distinct sequence (R, T), and the rows of the pairs (2B,)."""
+def _pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a :class:`PairCollator` batch (each distinct sequence run once): the rows the pairs compare, chosen
+    rows then rejected rows (2B,), their per-token rewards (2B, T), and the chosen and rejected scores (B,)."""
     values = token_values(model, batch["input_ids"], batch["attention_mask"], batch["response_start"],
-                          batch.get("prefix_width", 0), batch.get("prefix_index"))
-    return values, pair_rows(batch)
+                          batch["prefix_width"], batch["prefix_index"])
+    scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
+    rows = torch.cat([batch["chosen"], batch["rejected"]]).to(values.device)
+    chosen, rejected = scores[rows].chunk(2)
+    return rows, values[rows], chosen, rejected
 
 
 def reward_loss(model, batch: dict, label_smoothing: float = 0.0, kind: str = "last"):
     """``kind`` "last": Bradley–Terry on the final-token scores (the score step 3 uses); "divergence": on the
     per-token rewards of the span where the pair differs (DeepSpeed-Chat's).  Accuracy is on the scores."""
-    values, rows = _pair_values(model, batch)
-    scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
-    chosen, rejected = scores[rows].chunk(2)
+    rows, values, chosen, rejected = _pair_scores(model, batch)
     if kind == "divergence":  # a group's rows share their columns: the pair's two rows stay aligned
-        loss = divergence_pairwise_loss(values[rows], batch["input_ids"][rows], batch["attention_mask"][rows],
+        loss = divergence_pairwise_loss(values, batch["input_ids"][rows], batch["attention_mask"][rows],
                                         label_smoothing)
     else:
         loss = pairwise_loss(chosen, rejected, label_smoothing)
@@ -154,9 +148,7 @@ def reward_evaluate(model, loader) -> dict:
     total = torch.zeros(4, dtype=torch.float64)  # correct, chosen sum, rejected sum, count
     for batch in loader:
         batch = _to_device(batch)
-        values, rows = _pair_values(model, batch)
-        scores = values.gather(1, last_token_index(batch["attention_mask"])[:, None]).squeeze(1)
-        chosen, rejected = scores[rows].chunk(2)
+        _, _, chosen, rejected = _pair_scores(model, batch)
         total += torch.tensor([(chosen > rejected).sum().item(), chosen.sum().item(), rejected.sum().item(),
                                chosen.numel()], dtype=torch.float64)
     model.train()
@@ -172,6 +164,7 @@ def sft_count(batch: dict) -> int:
 
 
 def pair_count(batch: dict) -> int:
+    """Pairs in a :class:`PairCollator` batch, or in a DPO batch (chosen rows over rejected rows)."""
     return len(batch["chosen"]) if "chosen" in batch else batch["input_ids"].shape[0] // 2
 
 

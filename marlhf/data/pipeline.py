@@ -349,23 +349,22 @@ class PairCollator:
 
     def __call__(self, batch: list[dict]) -> dict:
         rows, starts, row_of = [], [], {}
-        for side in ("chosen", "rejected"):
-            for b in batch:
-                key = tuple(b[f"{side}_ids"])
-                if key not in row_of:
-                    row_of[key] = len(rows)
-                    rows.append(b[f"{side}_ids"])
-                    starts.append(b[f"{side}_start"])
-        chosen = [row_of[tuple(b["chosen_ids"])] for b in batch]
-        rejected = [row_of[tuple(b["rejected_ids"])] for b in batch]
+
+        def row(ids: list[int], start: int) -> int:  # a sequence's row, added when first seen
+            if (key := tuple(ids)) not in row_of:
+                row_of[key] = len(rows)
+                rows.append(ids)
+                starts.append(start)
+            return row_of[key]
+
+        chosen = [row(b["chosen_ids"], b["chosen_start"]) for b in batch]
+        rejected = [row(b["rejected_ids"], b["rejected_start"]) for b in batch]
         group = _prompt_groups(rows, starts, zip(chosen, rejected))
-        shared = [len(ids) - 1 for ids in rows]  # per group: the columns all its rows share
-        first: dict[int, int] = {}
+        first, common = {}, {}  # per group: its first row, the columns all its rows share with it
         for r, g in enumerate(group):
-            first.setdefault(g, r)
-        for r, g in enumerate(group):
-            shared[first[g]] = min(shared[first[g]], _common_prefix(rows[first[g]], rows[r]))
-        shared = [shared[first[g]] for g in group]
+            k = _common_prefix(rows[first.setdefault(g, r)], rows[r])
+            common[g] = min(common.get(g, k), k)
+        shared = [common[g] for g in group]
         width = max(shared)
         prefix, prefix_mask = _pad([ids[:k] for ids, k in zip(rows, shared)], self.pad_id, left=True, width=width)
         rest, rest_mask = _pad([ids[k:] for ids, k in zip(rows, shared)], self.pad_id)

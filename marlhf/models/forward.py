@@ -54,19 +54,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        prefix_width: int = 0, prefix_index: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states (R, T, H) of a batch, where a :class:`~marlhf.data.pipeline.PairCollator` batch's
-    shared prefixes are computed once: the rows of one group (``prefix_index`` (R,), each row's group; default
-    the pair layout, row i and row B + i) hold the same tokens in columns [0, prefix_width) (a prompt and
-    whatever its answers start with), so those columns run for one row per group, and each row's remaining
-    columns attend to their keys and values through the KV cache.
+    shared prefixes are computed once: the rows of one group (``prefix_index`` (R,), each row's group) hold the
+    same tokens in columns [0, prefix_width) (a prompt and whatever its answers start with), so those columns
+    run for one row per group, and each row's remaining columns attend to their keys and values through the KV
+    cache.
 
     The result equals one forward over all rows (causal attention: a column sees only the columns before it).
-    ``prefix_width`` 0 is that plain forward; so is a model under gradient checkpointing, which drops the
-    cache in training."""
+    ``prefix_width`` 0 (or no ``prefix_index``) is that plain forward; so is a model under gradient
+    checkpointing, which drops the cache in training."""
     positions = position_ids_from_mask(attention_mask)
     rows, width = input_ids.shape
     checkpointing = base.training and getattr(base, "gradient_checkpointing", False)
-    if prefix_index is None and rows % 2 == 0:
-        prefix_index = torch.arange(rows // 2, device=input_ids.device).repeat(2)
     if prefix_width <= 0 or prefix_width >= width or prefix_index is None or checkpointing:
         return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                     position_ids=positions).last_hidden_state
