@@ -36,6 +36,7 @@ def seed_row(folder: Path) -> dict:
     """One seed's numbers from its quick-start ``summary.json`` and its oracle run's ``summary.json``."""
     s = json.loads((folder / "summary.json").read_text())
     row = {"seconds": s["seconds"], "total_seconds": sum(s["seconds"].values()),
+           "stage_seconds": s.get("stage_seconds", {}),
            "prompts": int(s["initial_policy"]["num_prompts"]),
            "rm_accuracy_synthetic": s.get("step2_final_accuracy"),
            "rm_accuracy_policy_before": s.get("step2_onpolicy_accuracy_before"),
@@ -130,6 +131,10 @@ def aggregate(rows: dict) -> dict:
     out["main job minutes"] = mean_se([r["total_seconds"] / 60 for r in seeds])
     for stage in seeds[0]["seconds"]:
         out[f"minutes, {stage}"] = mean_se([r["seconds"].get(stage, float("nan")) / 60 for r in seeds])
+        for part in seeds[0].get("stage_seconds", {}).get(stage, {}):  # a round's parts, where every seed has them
+            values = [r.get("stage_seconds", {}).get(stage, {}).get(part) for r in seeds]
+            if None not in values:
+                out[f"minutes, {stage} / {part}"] = mean_se([v / 60 for v in values])
     return out
 
 

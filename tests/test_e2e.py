@@ -25,6 +25,13 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert set(summary["seconds"]) == {"step1", "step2", "step2_onpolicy", "step2_onpolicy_round2", "step3"}
+    # where each round's time went: its parts, inside the round's total
+    parts = summary["stage_seconds"]
+    assert set(parts["step2_onpolicy"]) == {"generate", "label", "reward_model"}
+    assert set(parts["step2_onpolicy_round2"]) == {"probe", "generate", "label", "reward_model"}
+    for name, stage in parts.items():
+        assert 0 < sum(stage.values()) <= summary["seconds"][name] + 0.2
+    assert "step2_onpolicy_round2: " in proc.stdout and "(probe " in proc.stdout
     assert summary["step1_final_perplexity"] < 2000  # below the untrained model's ~vocabulary size
     assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
     assert summary["steps"] == 3

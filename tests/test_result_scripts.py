@@ -85,10 +85,11 @@ def test_best_gold_within_a_budget_credits_the_climb_after_an_early_kl_jump():
     assert best_gold_within(rows, 0.0) == pytest.approx(0.64)
 
 
-def write_seed(folder, sft_gold, rl_gold, oracle_gold=None):
+def write_seed(folder, sft_gold, rl_gold, oracle_gold=None, generate=90.0):
     folder.mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps({
         "seconds": {"step1": 160.0, "step2": 60.0, "step2_onpolicy": 200.0, "step3": 100.0},
+        "stage_seconds": {"step2_onpolicy": {"generate": generate, "label": 2.0, "reward_model": 100.0}},
         "step2_final_accuracy": 0.88, "step2_onpolicy_accuracy_before": 0.66, "step2_onpolicy_accuracy": 0.75,
         "initial_policy": policy(sft_gold, -8.0, 0.0), "final_policy": policy(rl_gold, -7.0, 1.5)}))
     if oracle_gold is not None:
@@ -99,7 +100,7 @@ def write_seed(folder, sft_gold, rl_gold, oracle_gold=None):
 
 def test_main_job_table_and_means(tmp_path):
     write_seed(tmp_path / "seed1", 0.50, 0.58, 0.66)
-    write_seed(tmp_path / "seed2", 0.54, 0.60, 0.64)
+    write_seed(tmp_path / "seed2", 0.54, 0.60, 0.64, generate=102.0)
     rows = {s: seeds_script.seed_row(tmp_path / f"seed{s}") for s in (1, 2)}
     assert rows[1]["total_seconds"] == 520.0 and rows[1]["prompts"] == 256
     agg = seeds_script.aggregate(rows)
@@ -113,6 +114,9 @@ def test_main_job_table_and_means(tmp_path):
     assert "| gain over SFT | 0.070 ± 0.010 |" in text
     assert "| seeds gaining more than their se | 2.000 ± 0.000 |" in text
     assert "| minutes, step2_onpolicy | 3.333 ± 0.000 |" in text
+    # a round's parts, each over the seeds: generation (90 and 102 s) = 1.6 ± 0.1 min
+    assert "| minutes, step2_onpolicy / generate | 1.600 ± 0.100 |" in text
+    assert "| minutes, step2_onpolicy / reward_model | 1.667 ± 0.000 |" in text
     assert "0.660 → 0.750 | — |" in text  # no second round in these runs
     summary = json.loads((tmp_path / "seed2/summary.json").read_text())
     summary.update(step2_onpolicy_round2_accuracy_before=0.7, step2_onpolicy_round2_accuracy=0.8)

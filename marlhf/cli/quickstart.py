@@ -255,7 +255,9 @@ def summarize(root: Path, seconds: dict, rounds: int = 1) -> dict:
 def print_summary(summary: dict) -> None:
     print("\n=== summary")
     for key, seconds in summary["seconds"].items():
-        print(f"{key}: {seconds:.0f} s")
+        parts = summary.get("stage_seconds", {}).get(key)
+        print(f"{key}: {seconds:.0f} s" + (" (" + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + ")"
+                                           if parts else ""))
     if summary.get("step1_final_perplexity") is not None:
         print(f"step 1 held-out perplexity: {summary['step1_final_perplexity']:.2f}")
     if summary.get("step2_final_accuracy") is not None:
@@ -288,6 +290,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--onpolicy_rounds must be >= 1 (--onpolicy_samples 0 turns the rounds off), "
                          f"got {args.onpolicy_rounds}")
     seconds = {}
+    stages = {}  # a round's parts (probe, generate, label, reward_model): where its time went
     sft = Path(args.actor_model or root / "step1")
     rm_args = [a for arg in args.extra_args for a in arg.split("=", 1)]
 
@@ -302,22 +305,24 @@ def main(argv=None) -> int:
             if r == 1:
                 print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by "
                       f"the gold scorer, the reward model trained further ({out})", flush=True)
-                onpolicy_reward_model(sft, root / "step2", out, args.onpolicy_samples,
-                                      max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
-                                      ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args)
+                parts = onpolicy_reward_model(sft, root / "step2", out, args.onpolicy_samples,
+                                              max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
+                                              ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args)
             else:
                 previous = onpolicy_dir(root, r - 1) / "reward_model"
                 print(f"\n=== step 2, round {r}: a step 3 against {previous} (the probe), then {ROUND_SAMPLES} of its "
                       f"answers per prompt paired with {ROUND_SAMPLES} of the SFT policy's, labelled by the gold "
                       f"scorer, the reward model trained further ({out})", flush=True)
+                parts = {}
                 if not (out / "probe" / "actor" / "model.safetensors").exists():
-                    run_step(3, args, root, out=out / "probe", reward_model=previous,
-                             extra_args=(f"--max_eval_samples={PROBE_EVAL_SAMPLES}",))
-                onpolicy_reward_model(out / "probe" / "actor", previous, out, ROUND_SAMPLES,
-                                      max_prompts=args.onpolicy_max_prompts, pairing="all", ties=args.onpolicy_ties,
-                                      epochs=args.onpolicy_epochs, rm_args=rm_args, step2=root / "step2",
-                                      compare_with=onpolicy_dir(root, 1) / "answers.jsonl", seed=7 + r)
+                    parts["probe"] = run_step(3, args, root, out=out / "probe", reward_model=previous,
+                                              extra_args=(f"--max_eval_samples={PROBE_EVAL_SAMPLES}",))
+                parts.update(onpolicy_reward_model(
+                    out / "probe" / "actor", previous, out, ROUND_SAMPLES, max_prompts=args.onpolicy_max_prompts,
+                    pairing="all", ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args,
+                    step2=root / "step2", compare_with=onpolicy_dir(root, 1) / "answers.jsonl", seed=7 + r))
             seconds[out.name] = time.time() - t0
+            stages[out.name] = {k: round(v, 1) for k, v in parts.items()}
 
     for step in sorted(args.step):
         if step == 2:  # the rounds' pairs and reward models came from the step 2 being replaced
@@ -329,6 +334,7 @@ def main(argv=None) -> int:
         if step == 2 and uses_onpolicy(args):
             onpolicy_rounds()
     summary = summarize(root, seconds, args.onpolicy_rounds if uses_onpolicy(args) else 1)
+    summary["stage_seconds"] = stages
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
     models = [root / f"step{k}" for k in (1, 2) if k in seconds] + [
