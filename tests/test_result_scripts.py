@@ -124,6 +124,11 @@ def test_main_job_table_and_means(tmp_path):
     rows[2] = seeds_script.seed_row(tmp_path / "seed2")
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
     assert "0.660 → 0.750 | 0.700 → 0.800 |" in text
+    assert "`marlhf quickstart` with `--seed S`" in text
+    # a lever of the main job measured at the same seeds names its flags in the first line
+    text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU",
+                                        "quickstart_args": "--onpolicy_max_prompts 800"}, tmp_path / "t.md")
+    assert "`marlhf quickstart --onpolicy_max_prompts 800` with `--seed S`" in text
     # the numbers behind the table beside it, from the same report (a stale JSON once sat next to a newer table)
     saved = json.loads((tmp_path / "t.json").read_text())
     assert saved["aggregate"]["gain over SFT"] == pytest.approx(list(agg["gain over SFT"]))
