@@ -121,6 +121,7 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
                       compare and Path(compare).relative_to(root).as_posix()))
         (out / "reward_model").mkdir(parents=True)
         (out / "reward_model/model.safetensors").write_text("weights")
+        return {"reward_model": 1.0}  # the seconds of each of its parts, as the real stage returns them
 
     def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic, where
         step = int(cmd[1].split("/step")[1][0])
