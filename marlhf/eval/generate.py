@@ -121,7 +121,8 @@ class LoadedPolicy:
                                     end_of_conversation_token=self.eot).to(self.placement.device).eval()
         self.formatter = PromptFormatter(self.tok, self.format.prompt_format, self.eot)
         self.stop_ids = tuple(stop_token_ids(self.tok, self.eot))
-        log.info("policy %s (prompt format %s, end token %r)", self.path, self.format.prompt_format, self.eot)
+        log.info("policy %s (prompt format %s, end token %r) on %s in %s", self.path, self.format.prompt_format,
+                 self.eot, self.placement.device, self.placement.dtype)
 
     def config(self, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                do_sample: bool = True, seed: int | None = None) -> GenerationConfig:
