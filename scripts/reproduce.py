@@ -49,8 +49,9 @@ from marlhf.config import RLHFArgs  # noqa: E402
 
 # issue 30's power: >= 5 seeds, >= 100 steps, 256 held-out test prompts (512 held out, halved when tuning), and
 # every method tuned on the same grid: actor learning rate x KL coefficient x GAE's λ (2 x 2 x 2; critic-free
-# methods have no λ: 2 x 2).  λ is on it because token-level PPO at λ 0.95 fell under its start with the gold
-# reward where λ 1 did not (docs/results/ppo_lambda.md): a fixed λ would favour the longer macro actions.
+# methods have no λ, and n = ∞ holds it at 0.95, one action per answer leaving it nothing to weigh: 2 x 2).
+# λ is on it because token-level PPO at λ 0.95 fell under its start with the gold reward where λ 1 did not
+# (docs/results/ppo_lambda.md): a fixed λ would favour the longer macro actions.
 # The gold reward's KL coefficients are the reward model's × 0.05, the gold score's spread over the reward
 # model's on the SFT policy's held-out answers (their standard errors, 0.0196 / 0.380 on the runs_v2 base):
 # advantages are whitened, so what steers step 3 is β against the reward's spread, and each grid then spans the

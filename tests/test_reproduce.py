@@ -375,6 +375,34 @@ def test_critic_free_variants_are_tuned_without_the_critics_flags():
             parse_args(RLHFArgs, [*variant.flags, *sweep.point_flags(point)])
 
 
+def test_one_action_variants_hold_lambda_at_the_grids_first_value():
+    """n = ∞ makes each answer one macro action, where GAE is A = R - V(s0) whatever λ: its grid keeps the first λ
+    (the folder labels unchanged, so runs made on the whole grid are found), the others keep every point."""
+    import torch
+
+    from marlhf.rlhf.ppo_math import compute_advantages
+
+    grid = sweep.parse_grid("actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0")
+    points = sweep.variant_points(grid, "ninf")
+    assert [sweep.point_label(p) for p in points] == [
+        "actor_learning_rate=3e-5,kl_ctl=0.05,lam=0.95", "actor_learning_rate=3e-5,kl_ctl=0.5,lam=0.95",
+        "actor_learning_rate=1e-4,kl_ctl=0.05,lam=0.95", "actor_learning_rate=1e-4,kl_ctl=0.5,lam=0.95"]
+    assert sweep.variant_points(grid, "n10") == grid and len(sweep.variant_points(grid, "ppl")) == 8
+    assert sweep.variant_points(sweep.parse_grid("kl_ctl=0.05,0.5"), "ninf") == sweep.parse_grid("kl_ctl=0.05,0.5")
+    # why: one segment per answer (n = ∞) gives the same advantages and returns at every λ; n = 5 does not
+    g = torch.Generator().manual_seed(0)
+    values, rewards = torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)
+    mask = torch.ones(3, 12, dtype=torch.bool)
+    mask[1, 9:] = False
+    whole = torch.where(mask, 0, -1)
+    fives = torch.where(mask, torch.arange(12) // 5, -1)
+    at = {lam: compute_advantages(values, rewards, mask, whole, lam=lam)[:2] for lam in (0.0, 0.95, 1.0)}
+    for lam in (0.0, 0.95):
+        assert torch.equal(at[lam][0], at[1.0][0]) and torch.equal(at[lam][1], at[1.0][1])
+    assert not torch.allclose(compute_advantages(values, rewards, mask, fives, lam=0.95)[0],
+                              compute_advantages(values, rewards, mask, fives, lam=1.0)[0])
+
+
 def test_tuning_reports_each_methods_own_best_point_on_the_test_half(tmp_path):
     """Finished tuning runs (validation gold: PPO best at lr 1e-5, MA-PPO at 3e-5): a dry run plans the reported
     runs at each method's own choice, fresh seeds, the test half of the held-out prompts; the report shows the

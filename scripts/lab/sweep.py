@@ -39,6 +39,7 @@ class Variant:
     flags: tuple[str, ...]
     needs: tuple[str, ...] = ()  # RLHFArgs fields the flags need (a build without them cannot run it)
     critic: bool = True  # False: critic-free, step 3 refuses the critic's and GAE's flags (CRITIC_FLAGS)
+    one_action: bool = False  # each answer is one macro action: GAE's λ weighs nothing (ONE_ACTION_FLAGS)
     env: tuple[tuple[str, str], ...] = ()  # the tiny step-3 script's environment overrides, (name, value) pairs
 
     def available(self, known_fields: set[str]) -> bool:
@@ -63,7 +64,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("n3", "MA-PPO n = 3", _fixed("3")),
     Variant("n5", "MA-PPO n = 5", _fixed("5")),
     Variant("n10", "MA-PPO n = 10", _fixed("10")),
-    Variant("ninf", "MA-PPO n = ∞", _fixed("inf")),
+    Variant("ninf", "MA-PPO n = ∞", _fixed("inf"), one_action=True),
     Variant("randomized", "MA-PPO randomized", ("--termination_condition", "randomized")),
     Variant("ppl", "MA-PPO ppl", ("--termination_condition", "ppl")),
     Variant("parsing", "MA-PPO parsing", ("--termination_condition", "parsing")),
@@ -338,9 +339,18 @@ CRITIC_FLAGS = frozenset({"lam", "lam_critic", "adaptive_lam_alpha", "gamma", "c
                           "critic_weight_decay", "cliprange_value"})
 
 
+# what cannot matter when each answer is one action: GAE over one step is A = R - V(s0) whatever λ (the sweep's
+# n = ∞ runs at λ 0.95 and 1.0 agreed to the last digit at all 8 points of its reward-model grid)
+ONE_ACTION_FLAGS = ("lam", "lam_critic")
+
+
 def variant_points(grid: list[dict[str, str]], variant: str) -> list[dict[str, str]]:
     """The grid a variant is tuned on: every point, without the critic's and GAE's flags for a critic-free one
-    (the points that then coincide are one)."""
+    (the points that then coincide are one), and with λ held at the grid's first value for a one-action one (the
+    folders keep their labels, so runs made on the whole grid are found)."""
+    if VARIANTS[variant].one_action:
+        first = grid[0] if grid else {}
+        return [pt for pt in grid if all(pt.get(k) == first.get(k) for k in ONE_ACTION_FLAGS)]
     if VARIANTS[variant].critic:
         return grid
     points = [{k: v for k, v in pt.items() if k not in CRITIC_FLAGS} for pt in grid]
