@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a file from anywhere: marlhf from this checkout
+from marlhf.utils.tracking import read_metrics  # noqa: E402
+
 TASK = ["--data_path", "synthetic", "--task", "synthetic", "--data_split", "2,4,4", "--num_padding_at_beginning", "0"]
 
 
@@ -106,17 +109,11 @@ def plan(args) -> list[dict]:
     return checks
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def numbers(name: str, run_dir: Path) -> dict:
     """The figures a check's output folder holds: last losses for steps 1-2; for step 3 the held-out scores
     before and after, the first step's importance ratio (1 up to the precision's rounding: one PPO epoch on
     the answers just sampled), skipped / overflow steps and the median seconds per step and of generation."""
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     train = [r for r in rows if any(k.startswith("train/") for k in r)]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     got: dict = {}
@@ -146,7 +143,7 @@ def numbers(name: str, run_dir: Path) -> dict:
                         got[f"{when.split('_')[0]}_{k}"] = s[when][k]
     answers = run_dir / "answers.jsonl"
     if answers.exists():
-        got["answers"] = len(read_jsonl(answers))
+        got["answers"] = sum(1 for line in answers.read_text().splitlines() if line.strip())
     return got
 
 

@@ -99,6 +99,13 @@ def test_supervised_verdicts(tmp_path):
     assert gpu_check.judge(check, 0, "", got) == (True, "ok")
 
 
+def test_generation_figures_count_the_answers_written(tmp_path):
+    run = tmp_path / "generate_auto"
+    run.mkdir()
+    (run / "answers.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert gpu_check.numbers("generate_auto", run) == {"answers": 2}
+
+
 def test_refusal_and_generation_verdicts():
     refused = {"name": "hybrid_refused", "expect": "refused", "needle": "cannot run the actor"}
     assert gpu_check.judge(refused, 1, "ConfigError: --enable_hybrid_engine cannot run the actor x", {})[0]
