@@ -69,7 +69,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("ppl", "MA-PPO ppl", ("--termination_condition", "ppl")),
     Variant("parsing", "MA-PPO parsing", ("--termination_condition", "parsing")),
     Variant("word", "MA-PPO word", ("--termination_condition", "word")),
-    Variant("lowprob", "MA-PPO lowprob (τ = 0.1)", ("--termination_condition", "lowprob"),
+    # τ = 0.9: the SFT policy's answers of the embedded task are copied with confidence, and τ = 0.1 leaves 1.4
+    # actions per answer (n = ∞ again); 0.9 gives 7.6, between n = 5's 9.6 and n = 10's 5.1
+    # (scripts/lowprob_threshold.py, docs/embedded_task.md)
+    Variant("lowprob", "MA-PPO lowprob (τ = 0.9)", ("--termination_condition", "lowprob", "--lowprob_threshold", "0.9"),
             needs=("lowprob_threshold",)),
     Variant("n5_sigma_unit", "MA-PPO n = 5, σ unit", _fixed("5", "--value_function", "unit")),
     Variant("n5_sigma_position", "MA-PPO n = 5, σ position", _fixed("5", "--value_function", "position")),
