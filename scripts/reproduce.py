@@ -56,8 +56,10 @@ from marlhf.config import RLHFArgs  # noqa: E402
 # model's on the SFT policy's held-out answers (their standard errors, 0.0196 / 0.380 on the runs_v2 base):
 # advantages are whitened, so what steers step 3 is β against the reward's spread, and each grid then spans the
 # same β per unit of spread (scripts/main_job_seeds.py scales its oracle's β the same way).
-# the variants issue 30 names (and n = ∞); --variants adds the others (σ, ratio, randomized, word, Dr. GRPO, REINFORCE)
-CORE = ["ppo", "n5", "n10", "ninf", "parsing", "ppl", "lowprob", "mc_macro", "grpo", "rloo"]
+# the variants issue 30 names (and n = ∞); --variants adds the others (σ, ratio, randomized, word, Dr. GRPO, REINFORCE).
+# Monte-Carlo macro values run at n = 10, K = 2: a step costs 3.8x PPO's there against 10.1x at n = 5, K = 4 (Intel
+# Xeon, scripts/bench_step3.py), which would make its 13 runs per reward setting ~5 hours of a 2-core machine
+CORE = ["ppo", "n5", "n10", "ninf", "parsing", "ppl", "lowprob", "mc_macro_n10_k2", "grpo", "rloo"]
 FULL = dict(variants=CORE, rewards=["gold", "rm"], seeds=[1, 2, 3, 4, 5], steps=100,
             eval_interval=10, tune_eval_interval=0, eval_samples=512, dpo_steps=100,
             tune_grid="actor_learning_rate=3e-5,1e-4 kl_ctl=0.05,0.5 lam=0.95,1.0",

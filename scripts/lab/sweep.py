@@ -92,6 +92,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     # Monte-Carlo macro values (VinePPO): no critic, K = 4 continuations from every boundary of n = 5 actions
     Variant("mc_macro", "MC macro values (n = 5, K = 4)", ("--advantage_estimator", "mc_macro", "--mc_rollouts", "4"),
             needs=("advantage_estimator", "mc_rollouts"), critic=False),
+    # the same estimator at a quarter of the continuations (~5 boundaries x 2 instead of ~10 x 4 per answer): each
+    # continuation is generated and scored whole, so a step's extra cost scales with their number
+    Variant("mc_macro_n10_k2", "MC macro values (n = 10, K = 2)",
+            ("--advantage_estimator", "mc_macro", "--mc_rollouts", "2", "--ngram", "10"),
+            needs=("advantage_estimator", "mc_rollouts"), critic=False),
 ]}
 
 # reward setting -> (step-3 flags, the held-out score it optimises)
