@@ -307,7 +307,13 @@ def test_the_full_sweeps_defaults_have_the_power_issue_30_asks_for():
 
     args = parse_args([])
     assert len(args.seeds) >= 5 and args.steps >= 100 and args.eval_samples >= 512  # 256 test prompts when halved
-    assert {"ppo", "n5", "n10", "parsing", "ppl", "lowprob", "mc_macro", "grpo", "rloo"} <= set(args.variants)
+    assert {"ppo", "n5", "n10", "parsing", "ppl", "lowprob", "grpo", "rloo"} <= set(args.variants)
+    # Monte-Carlo macro values run once, at n = 10, K = 2 (3.8x a PPO step; n = 5, K = 4 costs 10x)
+    mc = [v for v in args.variants if "mc_macro" in sweep.VARIANTS[v].flags]
+    assert mc == ["mc_macro_n10_k2"]
+    flags = sweep.VARIANTS["mc_macro_n10_k2"].flags
+    assert dict(zip(flags[::2], flags[1::2])) == {"--advantage_estimator": "mc_macro", "--mc_rollouts": "2",
+                                                  "--ngram": "10"}
     for grid in args.grids.values():
         assert {k for pt in grid for k in pt} == {"actor_learning_rate", "kl_ctl", "lam"} and len(grid) == 8
     assert not set(args.tune_seeds) & set(args.seeds) and not parse_args(["--quick"]).tuned
