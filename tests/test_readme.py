@@ -9,6 +9,7 @@ step's own flag parser, and every ``marlhf X`` it shows names a subcommand."""
 import json
 import math
 import os
+import random
 import re
 import shlex
 import socket
@@ -60,9 +61,19 @@ def shorten(line: str, port: int, data_cache: Path) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range (32768+): the script binds it minutes later, and a
+    port the kernel handed out (bind to 0) can meanwhile go to any process's outgoing connection — another test's
+    gloo ranks took one in CI. The other tests' fixed ports are 29xxx: this draws from 20000-28999."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 29000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-28999")
 
 
 @pytest.fixture(scope="module")
