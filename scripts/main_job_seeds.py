@@ -40,6 +40,7 @@ def seed_row(folder: Path) -> dict:
            "stage_seconds": s.get("stage_seconds", {}),
            "prompts": int(s["initial_policy"]["num_prompts"]),
            "rm_accuracy_synthetic": s.get("step2_final_accuracy"),
+           "rm_accuracy_synthetic_final": s.get("final_reward_model_synthetic_accuracy"),
            "rm_accuracy_policy_before": s.get("step2_onpolicy_accuracy_before"),
            "rm_accuracy_policy": s.get("step2_onpolicy_accuracy"),
            "rm_accuracy_round2_before": s.get("step2_onpolicy_round2_accuracy_before"),
@@ -74,19 +75,21 @@ def write_markdown(report: dict, path: Path) -> str:
              "policy with the gold scorer as the reward, its KL coefficient scaled by the gold score's spread over "
              "the reward model's (the same β per unit of reward spread).", "",
              "| seed | SFT gold | MA-PPO (learned RM) gold | gain (in its se) | oracle gold | invented SFT → RLHF | "
-             "repeated SFT → RLHF | EOS | RM acc. synthetic | RM acc. policy pairs before → after | RM acc. round 2 "
-             "before → after | minutes |",
+             "repeated SFT → RLHF | EOS | RM acc. synthetic, step 2 → final | RM acc. policy pairs before → after | "
+             "RM acc. round 2 before → after | minutes |",
              "|---" * 12 + "|"]
     for seed, r in rows.items():
         sft, rl, orc = r["sft"], r["rlhf"], r.get("oracle")
         round2 = (f"{r['rm_accuracy_round2_before']:.3f} → {r['rm_accuracy_round2']:.3f}"
                   if r.get("rm_accuracy_round2") is not None else "—")
+        synthetic = f"{r['rm_accuracy_synthetic']:.3f}" + (f" → {r['rm_accuracy_synthetic_final']:.3f}"
+                                                           if r.get("rm_accuracy_synthetic_final") is not None else "")
         lines.append(
             f"| {seed} | {sft['gold_score']:.3f} ± {sft['gold_score_se']:.3f} | {rl['gold_score']:.3f} ± "
             f"{rl['gold_score_se']:.3f} | {gain(r):+.3f} ({gain(r) / gain_se(r):+.1f}) | "
             + (f"{orc['gold_score']:.3f} ± {orc['gold_score_se']:.3f}" if orc else "—")
             + f" | {sft['gold_invented']:.3f} → {rl['gold_invented']:.3f} | {sft['gold_repeated']:.3f} → "
-            f"{rl['gold_repeated']:.3f} | {rl['eos_rate']:.3f} | {r['rm_accuracy_synthetic']:.3f} | "
+            f"{rl['gold_repeated']:.3f} | {rl['eos_rate']:.3f} | {synthetic} | "
             f"{r['rm_accuracy_policy_before']:.3f} → {r['rm_accuracy_policy']:.3f} | {round2} | "
             f"{r['total_seconds'] / 60:.1f} |")
     agg = report["aggregate"]
@@ -94,7 +97,9 @@ def write_markdown(report: dict, path: Path) -> str:
               "",
               "| quantity | mean ± se |", "|---|---|"]
     lines += [f"| {k} | {m:.3f} ± {se:.3f} |" for k, (m, se) in agg.items()]
-    lines += ["", "RM accuracy on policy pairs: the reward model's pair accuracy, against the annotator's labels, "
+    lines += ["", "RM accuracy synthetic: on step 2's held-out synthetic pairs, of step 2's model and (where the run "
+              "reports it) of the reward model step 3 uses, after the rounds.  "
+              "RM accuracy on policy pairs: the reward model's pair accuracy, against the annotator's labels, "
               "on the held-out pairs of the SFT policy's answers (before: the step-2 model trained on synthetic "
               "pairs only; after: trained further on the policy's answers).  RM accuracy round 2: the same on "
               "held-out pairs of a probe step 3's answers and the SFT policy's (before: the round-1 model).  Gain "
@@ -129,6 +134,8 @@ def aggregate(rows: dict) -> dict:
         out["oracle gain over SFT"] = mean_se([r["oracle"]["gold_score"] - r["sft"]["gold_score"] for r in seeds])
         out["oracle KL coefficient"] = mean_se([r["oracle_kl_ctl"] for r in seeds])
     out["RM accuracy on policy pairs"] = mean_se([r["rm_accuracy_policy"] for r in seeds])
+    if all(r.get("rm_accuracy_synthetic_final") is not None for r in seeds):
+        out["RM accuracy on synthetic pairs, final"] = mean_se([r["rm_accuracy_synthetic_final"] for r in seeds])
     out["seeds gaining more than their se"] = (sum(gain(r) > gain_se(r) for r in seeds), 0.0)
     out["main job minutes"] = mean_se([r["total_seconds"] / 60 for r in seeds])
     for stage in seeds[0]["seconds"]:

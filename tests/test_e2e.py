@@ -28,7 +28,7 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     # where each round's time went: its parts, inside the round's total
     parts = summary["stage_seconds"]
     assert set(parts["step2_onpolicy"]) == {"generate", "label", "reward_model"}
-    assert set(parts["step2_onpolicy_round2"]) == {"probe", "generate", "label", "reward_model"}
+    assert set(parts["step2_onpolicy_round2"]) == {"probe", "generate", "label", "reward_model", "synthetic_eval"}
     for name, stage in parts.items():
         assert 0 < sum(stage.values()) <= summary["seconds"][name] + 0.2
     assert "step2_onpolicy_round2: " in proc.stdout and "(probe " in proc.stdout
@@ -78,6 +78,13 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert args_rm2["model_name_or_path"] == str(onpolicy / "reward_model")
     assert args_rm2["data_path"] == [str(round2 / "pairs")] and args_rm2["learning_rate"] == args_rm["learning_rate"]
     assert 0.0 <= summary["step2_onpolicy_round2_accuracy"] <= 1.0
+    # the reward model step 3 uses, evaluated on step 2's held-out synthetic pairs (8 here) without training
+    synthetic = [json.loads(line) for line in (round2 / "synthetic_eval/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in synthetic] == [0] and synthetic[0]["eval/accuracy"] in {k / 8 for k in range(9)}
+    assert summary["final_reward_model_synthetic_accuracy"] == synthetic[0]["eval/accuracy"]
+    assert json.loads((round2 / "synthetic_eval/args.json").read_text())["model_name_or_path"] == \
+        str(round2 / "reward_model")
+    assert "step 3's reward model, after the rounds:" in proc.stdout
     assert "round 2: accuracy on held-out pairs" in proc.stdout
     # step 3 started from step 1's model and the last round's reward model
     args3 = json.loads((tmp_path / "run/step3/args.json").read_text())
@@ -123,6 +130,14 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
         (out / "reward_model/model.safetensors").write_text("weights")
         return {"reward_model": 1.0}  # the seconds of each of its parts, as the real stage returns them
 
+    def fake_eval(rm, step2, out):  # the last round's reward model on step 2's synthetic held-out pairs
+        if (out / "metrics.jsonl").exists():
+            return None  # done already, as the real one
+        calls.append(("eval", Path(rm).relative_to(root).as_posix(), Path(step2).relative_to(root).as_posix()))
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+        return 1.0
+
     def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic, where
         step = int(cmd[1].split("/step")[1][0])
         if step == 3:
@@ -132,11 +147,12 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
             calls.append((3, Path(env["CRITIC_MODEL_PATH"]).relative_to(root).as_posix()
                           if env["CRITIC_MODEL_PATH"].startswith(str(root)) else env["CRITIC_MODEL_PATH"],
                           out.relative_to(root).as_posix(), "--max_eval_samples=16" in env.get("EXTRA_ARGS", "")))
-        else:
-            calls.append((step, None))
+        else:  # step 2 without an epoch on its synthetic pairs: --onpolicy_only
+            calls.append((step, "no epoch" if "--num_train_epochs=0" in env.get("EXTRA_ARGS", "") else None))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(quickstart, "onpolicy_reward_model", fake_stage)
+    monkeypatch.setattr(quickstart, "synthetic_accuracy", fake_eval)
     monkeypatch.setattr(quickstart.subprocess, "run", fake_launch)
     root = tmp_path / "run"
 
@@ -149,25 +165,34 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
     round1 = ("stage", "step1", "step2", 4, "all", "drop", 1, None)
     probe = (3, r1, "step2_onpolicy_round2/probe", True)  # step 3 against round 1's model, a small evaluation
     round2 = ("stage", "step2_onpolicy_round2/probe/actor", r1, 2, "all", "drop", 1, "step2_onpolicy/answers.jsonl")
-    assert run() == [(1, None), (2, None), round1, probe, round2, (3, r2, "step3", False)]
+    eval2 = ("eval", r2, "step2")
+    assert run() == [(1, None), (2, None), round1, probe, round2, eval2, (3, r2, "step3", False)]
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["final_reward_model_synthetic_accuracy"] == 0.5
+    assert summary["stage_seconds"]["step2_onpolicy_round2"].keys() == {"probe", "reward_model", "synthetic_eval"}
     (root / "step2_onpolicy/marker").write_text("from the old step 2")
     assert run("--step", "3") == [(3, r2, "step3", False)]  # reused
     assert (root / "step2_onpolicy/marker").exists()
     # one round: the SFT policy's answers only, step 3 against that reward model
     assert run("--step", "2", "3", "--onpolicy_rounds", "1", "--onpolicy_samples", "2", "--onpolicy_pairing",
                "disjoint", "--onpolicy_ties", "keep", "--onpolicy_epochs", "3") == [
-        (2, None), ("stage", "step1", "step2", 2, "disjoint", "keep", 3, None), (3, r1, "step3", False)]
+        (2, None), ("stage", "step1", "step2", 2, "disjoint", "keep", 3, None), ("eval", r1, "step2"),
+        (3, r1, "step3", False)]
     assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
     assert not (root / "step2_onpolicy_round2").exists()
     assert run("--onpolicy_samples", "0")[-1] == (3, "step2", "step3", False)
     # the rounds end step 2: steps 1-2 alone (the reproduction sweep's base) leave step 3's reward model
-    assert run("--step", "1", "2") == [(1, None), (2, None), round1, probe, round2]
+    assert run("--step", "1", "2") == [(1, None), (2, None), round1, probe, round2, eval2]
     assert run("--step", "3") == [(3, r2, "step3", False)]  # reused, not run again
     shutil.rmtree(root / "step2_onpolicy_round2/reward_model")  # round 2 stopped after its probe: the probe is kept
-    assert run("--step", "3") == [round2, (3, r2, "step3", False)]
+    assert run("--step", "3") == [round2, eval2, (3, r2, "step3", False)]  # its old evaluation discarded
     shutil.rmtree(root / "step2_onpolicy")
     shutil.rmtree(root / "step2_onpolicy_round2")
-    assert run("--step", "3") == [round1, probe, round2, (3, r2, "step3", False)]  # missing: run first
+    assert run("--step", "3") == [round1, probe, round2, eval2, (3, r2, "step3", False)]  # missing: run first
+    # the reward model from the policy's pairs only: step 2 without an epoch on its synthetic pairs
+    assert run("--step", "2", "3", "--onpolicy_rounds", "1", "--onpolicy_only") == [
+        (2, "no epoch"), round1, ("eval", r1, "step2"), (3, r1, "step3", False)]
+    assert run("--step", "2", "--onpolicy_only", "--onpolicy_samples", "0") == [(2, None)]  # no rounds: an epoch
     assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm", "step3", False)]
     with pytest.raises(SystemExit, match="--onpolicy_rounds"):
         quickstart.main(["--output_dir", str(root), "--onpolicy_rounds", "0"])

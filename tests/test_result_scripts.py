@@ -124,6 +124,16 @@ def test_main_job_table_and_means(tmp_path):
     rows[2] = seeds_script.seed_row(tmp_path / "seed2")
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
     assert "0.660 → 0.750 | 0.700 → 0.800 |" in text
+    assert "| 0.880 | 0.660 → 0.750 |" in text  # step 2's synthetic accuracy; the final model's not reported
+    for seed in (1, 2):  # runs that evaluate step 3's reward model on the synthetic pairs too
+        summary = json.loads((tmp_path / f"seed{seed}/summary.json").read_text())
+        summary["final_reward_model_synthetic_accuracy"] = 0.80 + seed / 100
+        (tmp_path / f"seed{seed}/summary.json").write_text(json.dumps(summary))
+        rows[seed] = seeds_script.seed_row(tmp_path / f"seed{seed}")
+    agg = seeds_script.aggregate(rows)
+    assert agg["RM accuracy on synthetic pairs, final"][0] == pytest.approx(0.815)
+    text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
+    assert "| 0.880 → 0.810 | 0.660 → 0.750 |" in text
     assert "`marlhf quickstart` with `--seed S`" in text
     # a lever of the main job measured at the same seeds names its flags in the first line
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU",

@@ -16,7 +16,9 @@ iterated RLHF (Llama 2, Anthropic's online RLHF): a step 3 against that reward m
 answers to each prompt paired with two of the SFT policy's, labelled, and the reward model trained further on
 them — it then knows the answers a step 3 drifts to, which the SFT policy rarely writes (repeated sentences).
 Step 3 proper starts again from the SFT policy against the last round's reward model
-(docs/results/main_job.md).
+(docs/results/main_job.md), which is evaluated on step 2's held-out synthetic pairs too
+(``step2_onpolicy*/synthetic_eval``).  ``--onpolicy_only`` skips step 2's epoch on the synthetic pairs: the
+reward model then learns from the policy's pairs alone, starting from the SFT model.
 
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
 the gold score where the task has one), plus the step-1 perplexity and the step-2 accuracies.
@@ -72,6 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--onpolicy_ties", default="drop", choices=("drop", "keep"),
                    help="Pairs the annotator scores equal: drop, or keep with a coin-flip label.")
     p.add_argument("--onpolicy_epochs", type=int, default=1, help="Epochs of the reward model over those pairs.")
+    p.add_argument("--onpolicy_only", action="store_true",
+                   help="The reward model learns from the policy's pairs only: step 2 runs with --num_train_epochs "
+                        "0 (the SFT model with an untrained score head, evaluated on the synthetic pairs) and the "
+                        "rounds train it from there.")
     p.add_argument("--onpolicy_rounds", type=int, default=2,
                    help="Rounds of pairs on the policy's answers (embedded task): 1 = the SFT policy's only; each "
                         "further round runs a step 3 against the last reward model (step2_onpolicy_roundR/probe) "
@@ -116,6 +122,11 @@ def step3_reward_model(args, root: Path) -> Path:
     if not uses_onpolicy(args):
         return root / "step2"
     return onpolicy_dir(root, args.onpolicy_rounds) / "reward_model"
+
+
+def synthetic_eval_dir(root: Path, rounds: int) -> Path:
+    """Where the last round's reward model is evaluated on step 2's held-out synthetic pairs."""
+    return onpolicy_dir(root, rounds) / "synthetic_eval"
 
 
 def run_step(step: int, args, root: Path, out: Path | None = None, reward_model: Path | None = None,
@@ -217,6 +228,20 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
     return seconds
 
 
+def synthetic_accuracy(rm: Path, step2: Path, out: Path) -> float | None:
+    """Evaluate the reward model ``rm`` on step 2's held-out synthetic pairs (``marlhf rm`` with step 2's settings
+    and no epoch: it evaluates before training, ``out/metrics.jsonl``); seconds taken, None when already done."""
+    if (out / "metrics.jsonl").exists():
+        return None
+    config = {k: v for k, v in json.loads((step2 / "args.json").read_text()).items()
+              if k not in ("output_dir", "tensorboard_path", "local_rank", "model_name_or_path")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rm_config.json").write_text(json.dumps(config, indent=1))
+    return run_logged(marlhf_cmd("rm", "--config", str(out / "rm_config.json"), "--model_name_or_path", str(rm),
+                                 "--output_dir", str(out), "--num_train_epochs", "0", "--disable_progress_bar"),
+                      out.parent / "synthetic_eval.log")
+
+
 def metric_values(folder: Path, key: str) -> list:
     path = folder / "metrics.jsonl"
     if not path.exists():
@@ -246,6 +271,9 @@ def summarize(root: Path, seconds: dict, rounds: int = 1) -> dict:
         if (folder / "reward_model").exists():
             summary[f"{folder.name}_accuracy_before"] = first_metric(folder / "reward_model", "eval/accuracy")
             summary[f"{folder.name}_accuracy"] = last_metric(folder / "reward_model", "eval/accuracy")
+    if (synthetic_eval_dir(root, rounds) / "metrics.jsonl").exists():  # the reward model step 3 uses
+        summary["final_reward_model_synthetic_accuracy"] = last_metric(synthetic_eval_dir(root, rounds),
+                                                                       "eval/accuracy")
     s3 = root / "step3" / "summary.json"
     if s3.exists():
         summary.update(json.loads(s3.read_text()))
@@ -261,7 +289,9 @@ def print_summary(summary: dict) -> None:
     if summary.get("step1_final_perplexity") is not None:
         print(f"step 1 held-out perplexity: {summary['step1_final_perplexity']:.2f}")
     if summary.get("step2_final_accuracy") is not None:
-        print(f"step 2 held-out pair accuracy: {summary['step2_final_accuracy']:.3f}")
+        print(f"step 2 held-out pair accuracy: {summary['step2_final_accuracy']:.3f}"
+              + (f" (step 3's reward model, after the rounds: {summary['final_reward_model_synthetic_accuracy']:.3f})"
+                 if summary.get("final_reward_model_synthetic_accuracy") is not None else ""))
     if summary.get("step2_onpolicy_accuracy") is not None:
         print(f"step 2 accuracy on held-out pairs of the SFT policy's answers (the annotator's labels): "
               f"{summary['step2_onpolicy_accuracy_before']:.3f} -> {summary['step2_onpolicy_accuracy']:.3f}")
@@ -302,6 +332,7 @@ def main(argv=None) -> int:
             if (out / "reward_model" / "model.safetensors").exists():
                 continue
             t0 = time.time()
+            shutil.rmtree(synthetic_eval_dir(root, r), ignore_errors=True)  # of an earlier reward model
             if r == 1:
                 print(f"\n=== step 2, on the policy's answers: {args.onpolicy_samples} per prompt, pairs labelled by "
                       f"the gold scorer, the reward model trained further ({out})", flush=True)
@@ -323,6 +354,11 @@ def main(argv=None) -> int:
                     step2=root / "step2", compare_with=onpolicy_dir(root, 1) / "answers.jsonl", seed=7 + r))
             seconds[out.name] = time.time() - t0
             stages[out.name] = {k: round(v, 1) for k, v in parts.items()}
+        last = onpolicy_dir(root, args.onpolicy_rounds)  # the reward model step 3 uses, on step 2's held-out pairs
+        took = synthetic_accuracy(last / "reward_model", root / "step2", synthetic_eval_dir(root, args.onpolicy_rounds))
+        if took is not None:
+            seconds[last.name] = seconds.get(last.name, 0.0) + took
+            stages.setdefault(last.name, {})["synthetic_eval"] = round(took, 1)
 
     for step in sorted(args.step):
         if step == 2:  # the rounds' pairs and reward models came from the step 2 being replaced
@@ -330,7 +366,8 @@ def main(argv=None) -> int:
                 shutil.rmtree(old, ignore_errors=True)
         if step == 3 and uses_onpolicy(args):  # --step 3 alone after a step 2 without (all of) them
             onpolicy_rounds()
-        seconds[step] = run_step(step, args, root)
+        only_policy_pairs = step == 2 and args.onpolicy_only and uses_onpolicy(args)
+        seconds[step] = run_step(step, args, root, extra_args=("--num_train_epochs=0",) if only_policy_pairs else ())
         if step == 2 and uses_onpolicy(args):
             onpolicy_rounds()
     summary = summarize(root, seconds, args.onpolicy_rounds if uses_onpolicy(args) else 1)
