@@ -20,7 +20,8 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     env = {**os.environ, "DATA_OUTPUT_PATH": str(tmp_path / "data"), "MASTER_PORT": "29651"}
     proc = subprocess.run([sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(tmp_path / "run"),
                            "--extra_args=--max_steps=3", "--extra_args=--max_eval_samples=8",
-                           "--extra_args=--disable_progress_bar", "--onpolicy_max_prompts", "24"],
+                           "--extra_args=--disable_progress_bar", "--onpolicy_max_prompts", "24",
+                           "--onpolicy_rounds", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run/summary.json").read_text())
@@ -34,6 +35,9 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert "step2_onpolicy_round2: " in proc.stdout and "(probe " in proc.stdout
     assert summary["step1_final_perplexity"] < 2000  # below the untrained model's ~vocabulary size
     assert 0.0 <= summary["step2_final_accuracy"] <= 1.0
+    # step 2 itself trains nothing by default (--onpolicy_only): the SFT model with a new score head, evaluated
+    assert json.loads((tmp_path / "run/step2/args.json").read_text())["num_train_epochs"] == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "run/step2/metrics.jsonl").read_text().splitlines()] == [0]
     assert summary["steps"] == 3
     # step 3's own summary names the machine, so a sweep compares timings only between runs on one kind of CPU
     assert json.loads((tmp_path / "run/step3/summary.json").read_text())["machine"] == machine_info()
@@ -112,11 +116,12 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
 
 
 def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path, monkeypatch):
-    """When the main job trains the reward model on the policy's answers: at the end of step 2 (a new step 2
-    discards the old rounds), reused by ``--step 3`` alone (run first when missing), never with --onpolicy_samples
-    0, --task or an explicit --reward_model.  Round 2 runs a probe step 3 against round 1's reward model, pairs
-    its answers with the SFT policy's and continues round 1's reward model; step 3 proper starts from the SFT
-    policy against the last round's."""
+    """When the main job trains the reward model on the policy's answers: at the end of step 2 (which by default
+    runs without an epoch on its synthetic pairs; a new step 2 discards the old rounds), reused by ``--step 3``
+    alone (run first when missing), never with --onpolicy_samples 0, --task or an explicit --reward_model; the
+    last round's reward model then evaluated on step 2's synthetic pairs.  Round 2 (--onpolicy_rounds 2) runs a
+    probe step 3 against round 1's reward model, pairs its answers with the SFT policy's and continues round 1's
+    reward model; step 3 proper starts from the SFT policy against the last round's."""
     from marlhf.cli import quickstart
 
     calls = []
@@ -165,34 +170,37 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
     round1 = ("stage", "step1", "step2", 4, "all", "drop", 1, None)
     probe = (3, r1, "step2_onpolicy_round2/probe", True)  # step 3 against round 1's model, a small evaluation
     round2 = ("stage", "step2_onpolicy_round2/probe/actor", r1, 2, "all", "drop", 1, "step2_onpolicy/answers.jsonl")
-    eval2 = ("eval", r2, "step2")
-    assert run() == [(1, None), (2, None), round1, probe, round2, eval2, (3, r2, "step3", False)]
+    eval1, eval2 = ("eval", r1, "step2"), ("eval", r2, "step2")
+    # the default: step 2 without an epoch on its synthetic pairs, one round on the SFT policy's answers trains it
+    assert run() == [(1, None), (2, "no epoch"), round1, eval1, (3, r1, "step3", False)]
     summary = json.loads((root / "summary.json").read_text())
     assert summary["final_reward_model_synthetic_accuracy"] == 0.5
+    assert summary["stage_seconds"]["step2_onpolicy"] == {"reward_model": 1.0, "synthetic_eval": 1.0}
+    two = ("--onpolicy_rounds", "2")
+    assert run("--step", "3", *two) == [probe, round2, eval2, (3, r2, "step3", False)]  # round 1 reused
+    assert run("--step", "2", "3", *two, "--no-onpolicy_only") == [(2, None), round1, probe, round2, eval2,
+                                                                    (3, r2, "step3", False)]
+    summary = json.loads((root / "summary.json").read_text())
     assert summary["stage_seconds"]["step2_onpolicy_round2"].keys() == {"probe", "reward_model", "synthetic_eval"}
     (root / "step2_onpolicy/marker").write_text("from the old step 2")
-    assert run("--step", "3") == [(3, r2, "step3", False)]  # reused
+    assert run("--step", "3", *two) == [(3, r2, "step3", False)]  # reused
     assert (root / "step2_onpolicy/marker").exists()
-    # one round: the SFT policy's answers only, step 3 against that reward model
-    assert run("--step", "2", "3", "--onpolicy_rounds", "1", "--onpolicy_samples", "2", "--onpolicy_pairing",
-               "disjoint", "--onpolicy_ties", "keep", "--onpolicy_epochs", "3") == [
-        (2, None), ("stage", "step1", "step2", 2, "disjoint", "keep", 3, None), ("eval", r1, "step2"),
-        (3, r1, "step3", False)]
+    # one round, its flags
+    assert run("--step", "2", "3", "--onpolicy_samples", "2", "--onpolicy_pairing", "disjoint", "--onpolicy_ties",
+               "keep", "--onpolicy_epochs", "3") == [
+        (2, "no epoch"), ("stage", "step1", "step2", 2, "disjoint", "keep", 3, None), eval1, (3, r1, "step3", False)]
     assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
     assert not (root / "step2_onpolicy_round2").exists()
     assert run("--onpolicy_samples", "0")[-1] == (3, "step2", "step3", False)
+    assert run("--step", "2", "--onpolicy_samples", "0") == [(2, None)]  # no rounds: step 2 keeps its epoch
     # the rounds end step 2: steps 1-2 alone (the reproduction sweep's base) leave step 3's reward model
-    assert run("--step", "1", "2") == [(1, None), (2, None), round1, probe, round2, eval2]
-    assert run("--step", "3") == [(3, r2, "step3", False)]  # reused, not run again
+    assert run("--step", "1", "2", *two) == [(1, None), (2, "no epoch"), round1, probe, round2, eval2]
+    assert run("--step", "3", *two) == [(3, r2, "step3", False)]  # reused, not run again
     shutil.rmtree(root / "step2_onpolicy_round2/reward_model")  # round 2 stopped after its probe: the probe is kept
-    assert run("--step", "3") == [round2, eval2, (3, r2, "step3", False)]  # its old evaluation discarded
+    assert run("--step", "3", *two) == [round2, eval2, (3, r2, "step3", False)]  # its old evaluation discarded
     shutil.rmtree(root / "step2_onpolicy")
     shutil.rmtree(root / "step2_onpolicy_round2")
-    assert run("--step", "3") == [round1, probe, round2, eval2, (3, r2, "step3", False)]  # missing: run first
-    # the reward model from the policy's pairs only: step 2 without an epoch on its synthetic pairs
-    assert run("--step", "2", "3", "--onpolicy_rounds", "1", "--onpolicy_only") == [
-        (2, "no epoch"), round1, ("eval", r1, "step2"), (3, r1, "step3", False)]
-    assert run("--step", "2", "--onpolicy_only", "--onpolicy_samples", "0") == [(2, None)]  # no rounds: an epoch
+    assert run("--step", "3", *two) == [round1, probe, round2, eval2, (3, r2, "step3", False)]  # missing: run first
     assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm", "step3", False)]
     with pytest.raises(SystemExit, match="--onpolicy_rounds"):
         quickstart.main(["--output_dir", str(root), "--onpolicy_rounds", "0"])

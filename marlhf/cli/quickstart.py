@@ -7,18 +7,17 @@ feeding the next.  The default runs the embedded tiny model on the synthetic tas
     marlhf quickstart
     marlhf quickstart --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
 
-On the embedded task, step 2 ends by training the reward model further on preference pairs of
-the SFT policy's own answers (``--onpolicy_samples`` answers to each of step 2's prompts, labelled by the
-task's gold scorer as a simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the
-distribution step 3 explores; trained on its synthetic pairs alone, the reward model does not hold there
-(docs/results/onpolicy_reward.md).  With ``--onpolicy_rounds 2`` (the default) a second round follows, as in
-iterated RLHF (Llama 2, Anthropic's online RLHF): a step 3 against that reward model (the probe), two of its
-answers to each prompt paired with two of the SFT policy's, labelled, and the reward model trained further on
-them — it then knows the answers a step 3 drifts to, which the SFT policy rarely writes (repeated sentences).
-Step 3 proper starts again from the SFT policy against the last round's reward model
-(docs/results/main_job.md), which is evaluated on step 2's held-out synthetic pairs too
-(``step2_onpolicy*/synthetic_eval``).  ``--onpolicy_only`` skips step 2's epoch on the synthetic pairs: the
-reward model then learns from the policy's pairs alone, starting from the SFT model.
+On the embedded task the reward model learns from preference pairs of the SFT policy's own answers
+(``--onpolicy_samples`` answers to each of step 2's prompts, all pairs, labelled by the task's gold scorer as a
+simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the distribution step 3 explores:
+step 2 runs without an epoch (the SFT model with a new score head, evaluated on the synthetic pairs) and that
+round trains it (``step2_onpolicy``).  Trained on the task's synthetic pairs, the reward model does not hold
+where step 3 goes (docs/results/onpolicy_reward.md); ``--no-onpolicy_only`` trains step 2 on them first, as the
+main job once did (docs/results/main_job.md).  ``--onpolicy_rounds 2`` adds a second round, as in iterated RLHF
+(Llama 2, Anthropic's online RLHF): a step 3 against that reward model (the probe), two of its answers to each
+prompt paired with two of the SFT policy's, labelled, and the reward model trained further on them.  Step 3
+proper starts from the SFT policy against the last round's reward model, which is also evaluated on step 2's
+held-out synthetic pairs (``step2_onpolicy*/synthetic_eval``).
 
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
 the gold score where the task has one), plus the step-1 perplexity and the step-2 accuracies.
@@ -74,11 +73,11 @@ def parse_args(argv=None):
     p.add_argument("--onpolicy_ties", default="drop", choices=("drop", "keep"),
                    help="Pairs the annotator scores equal: drop, or keep with a coin-flip label.")
     p.add_argument("--onpolicy_epochs", type=int, default=1, help="Epochs of the reward model over those pairs.")
-    p.add_argument("--onpolicy_only", action="store_true",
+    p.add_argument("--onpolicy_only", action=argparse.BooleanOptionalAction, default=True,
                    help="The reward model learns from the policy's pairs only: step 2 runs with --num_train_epochs "
                         "0 (the SFT model with an untrained score head, evaluated on the synthetic pairs) and the "
-                        "rounds train it from there.")
-    p.add_argument("--onpolicy_rounds", type=int, default=2,
+                        "rounds train it from there; --no-onpolicy_only trains step 2 on the synthetic pairs first.")
+    p.add_argument("--onpolicy_rounds", type=int, default=1,
                    help="Rounds of pairs on the policy's answers (embedded task): 1 = the SFT policy's only; each "
                         "further round runs a step 3 against the last reward model (step2_onpolicy_roundR/probe) "
                         f"and trains the reward model further on {ROUND_SAMPLES} of its answers per prompt paired "
