@@ -38,6 +38,7 @@ def seed_row(folder: Path) -> dict:
     s = json.loads((folder / "summary.json").read_text())
     row = {"seconds": s["seconds"], "total_seconds": sum(s["seconds"].values()),
            "stage_seconds": s.get("stage_seconds", {}),
+           "composed_from": s.get("composed_from"),  # a run that reused another's stages says which
            "prompts": int(s["initial_policy"]["num_prompts"]),
            "rm_accuracy_synthetic": s.get("step2_final_accuracy"),
            "rm_accuracy_synthetic_final": s.get("final_reward_model_synthetic_accuracy"),
@@ -100,11 +101,13 @@ def write_markdown(report: dict, path: Path) -> str:
     lines += ["", "RM accuracy synthetic: on step 2's held-out synthetic pairs, of step 2's model and (where the run "
               "reports it) of the reward model step 3 uses, after the rounds.  "
               "RM accuracy on policy pairs: the reward model's pair accuracy, against the annotator's labels, "
-              "on the held-out pairs of the SFT policy's answers (before: the step-2 model trained on synthetic "
-              "pairs only; after: trained further on the policy's answers).  RM accuracy round 2: the same on "
+              "on the held-out pairs of the SFT policy's answers (before: step 2's model — trained on the synthetic "
+              "pairs, or with --onpolicy_only the SFT model with a new score head; after: trained on the policy's "
+              "answers).  RM accuracy round 2: the same on "
               "held-out pairs of a probe step 3's answers and the SFT policy's (before: the round-1 model).  Gain "
               "in its se: the gain over its standard error, √(se_SFT² + se_final²) over the held-out prompts.  "
               "Minutes: the whole main job.", ""]
+    lines += [f"Seed {seed}: {r['composed_from']}." for seed, r in rows.items() if r.get("composed_from")]
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -62,6 +62,7 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert all(p["meta"]["annotator_scores"][0] != p["meta"]["annotator_scores"][1] for p in pairs)
     args_rm = json.loads((onpolicy / "reward_model/args.json").read_text())
     assert args_rm["model_name_or_path"].endswith("run/step2") and args_rm["max_steps"] == 3
+    assert args_rm["num_train_epochs"] == 2  # --onpolicy_epochs' default (--max_steps cuts it here)
     assert args_rm["data_path"] == [str(onpolicy / "pairs")] and args_rm["data_split"] == "0,1,0"
     assert 0.0 <= summary["step2_onpolicy_accuracy"] <= 1.0
     assert "pairs of the SFT policy's answers" in proc.stdout
@@ -167,9 +168,9 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
         return list(calls)
 
     r1, r2 = "step2_onpolicy/reward_model", "step2_onpolicy_round2/reward_model"
-    round1 = ("stage", "step1", "step2", 4, "all", "drop", 1, None)
+    round1 = ("stage", "step1", "step2", 4, "all", "drop", 2, None)
     probe = (3, r1, "step2_onpolicy_round2/probe", True)  # step 3 against round 1's model, a small evaluation
-    round2 = ("stage", "step2_onpolicy_round2/probe/actor", r1, 2, "all", "drop", 1, "step2_onpolicy/answers.jsonl")
+    round2 = ("stage", "step2_onpolicy_round2/probe/actor", r1, 2, "all", "drop", 2, "step2_onpolicy/answers.jsonl")
     eval1, eval2 = ("eval", r1, "step2"), ("eval", r2, "step2")
     # the default: step 2 without an epoch on its synthetic pairs, one round on the SFT policy's answers trains it
     assert run() == [(1, None), (2, "no epoch"), round1, eval1, (3, r1, "step3", False)]

@@ -134,6 +134,13 @@ def test_main_job_table_and_means(tmp_path):
     assert agg["RM accuracy on synthetic pairs, final"][0] == pytest.approx(0.815)
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
     assert "| 0.880 → 0.810 | 0.660 → 0.750 |" in text
+    assert "Seed 1:" not in text  # no run reused another's stages
+    summary = json.loads((tmp_path / "seed1/summary.json").read_text())
+    summary["composed_from"] = "steps 1-2 are another run's"
+    (tmp_path / "seed1/summary.json").write_text(json.dumps(summary))
+    rows[1] = seeds_script.seed_row(tmp_path / "seed1")
+    text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU"}, tmp_path / "t.md")
+    assert "Seed 1: steps 1-2 are another run's." in text and "Seed 2:" not in text
     assert "`marlhf quickstart` with `--seed S`" in text
     # a lever of the main job measured at the same seeds names its flags in the first line
     text = seeds_script.write_markdown({"seeds": rows, "aggregate": agg, "machine": "test CPU",
