@@ -14,10 +14,10 @@ step 2 runs without an epoch (the SFT model with a new score head, evaluated on 
 round trains it (``step2_onpolicy``).  Trained on the task's synthetic pairs, the reward model does not hold
 where step 3 goes (docs/results/onpolicy_reward.md); ``--no-onpolicy_only`` trains step 2 on them first, as the
 main job once did (docs/results/main_job_two_rounds.md).  ``--onpolicy_rounds 2`` adds a second round, as in
-iterated RLHF (Llama 2, Anthropic's online RLHF): a step 3 against that reward model (the probe), two of its answers to each
-prompt paired with two of the SFT policy's, labelled, and the reward model trained further on them.  Step 3
-proper starts from the SFT policy against the last round's reward model, which is also evaluated on step 2's
-held-out synthetic pairs (``step2_onpolicy*/synthetic_eval``).
+iterated RLHF (Llama 2, Anthropic's online RLHF): a step 3 against that reward model (the probe), two of its
+answers to each prompt paired with two of the SFT policy's, labelled, and the reward model trained further on
+them.  Step 3 proper starts from the SFT policy against the last round's reward model, which is also evaluated
+on step 2's held-out synthetic pairs (``step2_onpolicy*/synthetic_eval``).
 
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
 the gold score where the task has one), plus the step-1 perplexity and the step-2 accuracies.
