@@ -180,6 +180,14 @@ def run_logged(cmd: list[str], log: Path) -> float:
     return time.time() - t0
 
 
+def step2_config(step2: dict, path: Path, drop: tuple[str, ...] = ()) -> Path:
+    """Write step 2's settings (its ``args.json``) as a ``marlhf rm --config`` file at ``path``, without what
+    belongs to that run (its output, model, rank) and the keys in ``drop``; returns ``path``."""
+    own = ("output_dir", "tensorboard_path", "local_rank", "model_name_or_path")
+    path.write_text(json.dumps({k: v for k, v in step2.items() if k not in own + drop}, indent=1))
+    return path
+
+
 def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generation: dict | None = None,
                           max_prompts: int = 0, rm_args: list[str] | tuple = (), pairing: str = "all",
                           ties: str = "drop", epochs: int = 1, compare_with: Path | None = None,
@@ -216,12 +224,10 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
             "--seed", "1", "--eval_fraction", str(ONPOLICY_HELD_OUT), "--output", str(out / "pairs")),
             out / "label.log")
     if not (out / "reward_model" / "model.safetensors").exists():
-        config = {k: v for k, v in step2.items() if k not in ("output_dir", "tensorboard_path", "local_rank",
-                                                                "model_name_or_path", "data_path", "data_split",
-                                                                "data_output_path", "eval_fraction")}
-        (out / "rm_config.json").write_text(json.dumps(config, indent=1))
+        config = step2_config(step2, out / "rm_config.json",
+                              drop=("data_path", "data_split", "data_output_path", "eval_fraction"))
         seconds["reward_model"] = run_logged(marlhf_cmd(
-            "rm", "--config", str(out / "rm_config.json"), "--model_name_or_path", str(rm),
+            "rm", "--config", str(config), "--model_name_or_path", str(rm),
             "--data_path", str(out / "pairs"), "--data_split", "0,1,0", "--data_output_path", str(out / "data"),
             "--output_dir", str(out / "reward_model"), "--num_train_epochs", str(epochs),
             "--learning_rate", str(ONPOLICY_RM_LEARNING_RATE), "--disable_progress_bar", *rm_args),
@@ -234,11 +240,9 @@ def synthetic_accuracy(rm: Path, step2: Path, out: Path) -> float | None:
     and no epoch: it evaluates before training, ``out/metrics.jsonl``); seconds taken, None when already done."""
     if (out / "metrics.jsonl").exists():
         return None
-    config = {k: v for k, v in json.loads((step2 / "args.json").read_text()).items()
-              if k not in ("output_dir", "tensorboard_path", "local_rank", "model_name_or_path")}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rm_config.json").write_text(json.dumps(config, indent=1))
-    return run_logged(marlhf_cmd("rm", "--config", str(out / "rm_config.json"), "--model_name_or_path", str(rm),
+    config = step2_config(json.loads((step2 / "args.json").read_text()), out / "rm_config.json")
+    return run_logged(marlhf_cmd("rm", "--config", str(config), "--model_name_or_path", str(rm),
                                  "--output_dir", str(out), "--num_train_epochs", "0", "--disable_progress_bar"),
                       out.parent / "synthetic_eval.log")
 
@@ -272,9 +276,9 @@ def summarize(root: Path, seconds: dict, rounds: int = 1) -> dict:
         if (folder / "reward_model").exists():
             summary[f"{folder.name}_accuracy_before"] = first_metric(folder / "reward_model", "eval/accuracy")
             summary[f"{folder.name}_accuracy"] = last_metric(folder / "reward_model", "eval/accuracy")
-    if (synthetic_eval_dir(root, rounds) / "metrics.jsonl").exists():  # the reward model step 3 uses
-        summary["final_reward_model_synthetic_accuracy"] = last_metric(synthetic_eval_dir(root, rounds),
-                                                                       "eval/accuracy")
+    synthetic = synthetic_eval_dir(root, rounds)  # the reward model step 3 uses, on step 2's synthetic pairs
+    if (synthetic / "metrics.jsonl").exists():
+        summary["final_reward_model_synthetic_accuracy"] = last_metric(synthetic, "eval/accuracy")
     s3 = root / "step3" / "summary.json"
     if s3.exists():
         summary.update(json.loads(s3.read_text()))
