@@ -249,6 +249,9 @@ def _check_offload(stages: dict[str, int]) -> None:
 class SFTArgs(SupervisedArgs):
     """Step 1: supervised fine-tuning on prompt + chosen response (loss on response tokens only)."""
 
+    prompt_loss: bool = opt(False, "Train (and evaluate the held-out loss) on the prompt's tokens too, as "
+                            "DeepSpeed-Chat's step 1 does; off: the loss covers the answer only.")
+
 
 @dataclass
 class RewardArgs(SupervisedArgs):

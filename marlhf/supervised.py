@@ -181,8 +181,8 @@ def pair_prompt(example: dict) -> tuple:
     return tuple(example["chosen_ids"][:example["chosen_start"]])
 
 
-def sft_objective(pad_id: int) -> Objective:
-    return Objective("sft", SFTCollator(pad_id), sft_loss, sft_evaluate, sft_count, sft_length)
+def sft_objective(pad_id: int, prompt_loss: bool = False) -> Objective:
+    return Objective("sft", SFTCollator(pad_id, prompt_loss), sft_loss, sft_evaluate, sft_count, sft_length)
 
 
 REWARD_LOSSES = ("last", "divergence")

@@ -101,6 +101,11 @@ def test_sft_labels_cover_exactly_the_response():
     assert batch["labels"].tolist() == [[-100, -100, -100, 32, 120, 121, 122, 36],
                                         [-100, -100, 6, 7, -100, -100, -100, -100]]
     assert batch["attention_mask"].sum(1).tolist() == [8, 4]
+    # --prompt_loss (DeepSpeed-Chat's step 1): every real token is a label, padding still is not
+    whole = SFTCollator(pad_id=0, prompt_loss=True)(items + [{"input_ids": [1, 5, 6, 7], "response_start": 2}])
+    assert whole["labels"].tolist() == [[1, 97, 98, 32, 120, 121, 122, 36],
+                                       [1, 5, 6, 7, -100, -100, -100, -100]]
+    assert torch.equal(whole["input_ids"], batch["input_ids"])
 
 
 def test_over_long_prompt_is_named_skipped_or_truncated():

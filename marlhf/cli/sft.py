@@ -36,7 +36,7 @@ def main(argv=None):
     # 3. train under DeepSpeed (evaluates perplexity, checkpoints, resumes)
     engine = with_learning_rate(args.engine(), model)
     record_run_context(args.output_dir, learning_rate=engine.learning_rate)
-    model = train(model, data.train, data.eval, sft_objective(tokenizer.pad_token_id),
+    model = train(model, data.train, data.eval, sft_objective(tokenizer.pad_token_id, args.prompt_loss),
                   SupervisedSection.from_args(args), engine, LoopSection.from_args(args))
     # 4. export a plain Hugging Face model (ZeRO-3 weights gathered, LoRA merged)
     export_hf(model, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)

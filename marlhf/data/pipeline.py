@@ -315,17 +315,20 @@ def _pad(seqs: list[list[int]], pad_id: int, left: bool = False,
 
 
 class SFTCollator:
-    """Right-padded input_ids / attention_mask and labels that ignore prompt and padding (-100)."""
+    """Right-padded input_ids / attention_mask and labels that ignore padding (-100) and, unless
+    ``prompt_loss``, the prompt (DeepSpeed-Chat's step 1 trains on every token of prompt + answer)."""
 
-    def __init__(self, pad_id: int):
+    def __init__(self, pad_id: int, prompt_loss: bool = False):
         self.pad_id = pad_id
+        self.prompt_loss = prompt_loss
 
     def __call__(self, batch: list[dict]) -> dict:
         ids, mask = _pad([b["input_ids"] for b in batch], self.pad_id)
         labels = ids.clone()
         labels[mask == 0] = -100
         for i, b in enumerate(batch):
-            labels[i, :b["response_start"]] = -100
+            if not self.prompt_loss:
+                labels[i, :b["response_start"]] = -100
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
