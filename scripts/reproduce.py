@@ -72,6 +72,10 @@ MAINS = {1: "training/step1_supervised_finetuning/main.py", 2: "training/step2_r
          3: "training/step3_rlhf_finetuning/main.py"}
 REAL_VARIANTS = ("ppo", "n5")
 VARIANTS_FLAGS = {v: list(sweep.VARIANTS[v].flags) for v in REAL_VARIANTS}
+# The embedded task's split of steps 1/2/3 the sweep's records were made with (the task's launch scripts moved to
+# 4,3,3 later: twice the SFT records, docs/results/sft_levers.md); pinned so that resumed and added runs train on
+# the same prompts.  The held-out prompts do not depend on it.
+SWEEP_SPLIT = "2,4,4"
 QUICK_BASE_STEPS = 30  # optimizer steps of steps 1 and 2 in --quick (the full sweep uses the quick start's)
 
 
@@ -191,7 +195,8 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
     commands = []
     rm = str(base / ("step2" if args.quick else "step2_onpolicy/reward_model"))
     if not (args.sft and args.rm):
-        extra = [f"--extra_args=--max_steps={QUICK_BASE_STEPS}", "--onpolicy_samples", "0"] if args.quick else []
+        extra = [f"--extra_args=--data_split={SWEEP_SPLIT}"]
+        extra += [f"--extra_args=--max_steps={QUICK_BASE_STEPS}", "--onpolicy_samples", "0"] if args.quick else []
         steps = [s for s, given in ((1, args.sft), (2, args.rm)) if not given]
         cmd = [sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(base), "--step", *map(str, steps),
                *(["--actor_model", args.sft] if args.sft else []), "--onpolicy_rounds", "1", "--no-onpolicy_only",
@@ -210,7 +215,7 @@ def step3_command(spec: sweep.RunSpec, args, sft: str, rm: str, own: tuple[str, 
     variant = sweep.VARIANTS[spec.variant]
     reward_flags, _ = sweep.REWARDS[spec.reward]
     extra = [*shlex.split(args.step3_args), *variant.flags, *reward_flags, *own, "--seed", str(spec.seed),
-             "--data_seed", "1234",
+             "--data_seed", "1234", "--data_split", SWEEP_SPLIT,
              "--max_steps", str(args.steps),
              "--eval_interval", str(args.eval_interval if eval_interval is None else eval_interval),
              "--max_eval_samples", str(args.eval_samples), "--save_steps", str(args.eval_interval), "--resume"]
@@ -294,7 +299,7 @@ def dpo_track(args, root: Path, sft: str, rm: str, specs: list[sweep.RunSpec], c
         return {"skipped": "no finished step-3 run to take the held-out evaluation settings from"}
     out = root / "dpo"
     dpo = ["bash", "training/step2_dpo_finetuning/training_scripts/tiny/run_tiny.sh", str(out / "seed$SEED" / "model")]
-    extra = f"--seed $SEED --data_seed 1234 --max_steps {args.dpo_steps}"
+    extra = f"--seed $SEED --data_seed 1234 --data_split {SWEEP_SPLIT} --max_steps {args.dpo_steps}"
     commands.append(f"for SEED in {' '.join(map(str, args.seeds))}; do MODEL_PATH={shlex.quote(sft)} "
                     f"EXTRA_ARGS={shlex.quote(extra)} {shlex.join(dpo)}; done")
 

@@ -520,7 +520,7 @@ def test_tiny_scripts(name, ranks, tmp_path):
     for step in (1, 2, 3):
         out, cfg = launch_and_parse(script(step, f"tiny/{name}"), tmp_path)
         assert out.launcher_value("--num_gpus") == str(ranks)
-        assert cfg.data_path == ["synthetic"] and cfg.dtype == "fp32" and cfg.data_split == "2,4,4"
+        assert cfg.data_path == ["synthetic"] and cfg.dtype == "fp32" and cfg.data_split == "4,3,3"
         assert cfg.output_dir == f"./output/{root}/step{step}"
         configs[step] = (out, cfg)
     (sft_out, sft), (_, rm), (_, ppo) = configs[1], configs[2], configs[3]

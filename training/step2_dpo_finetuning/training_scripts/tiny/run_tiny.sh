@@ -26,7 +26,7 @@ OUTPUT=${1:-./output/tiny/step2_dpo}
 ZERO_STAGE=${2:-0}
 MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded model
 
-# Sized for 2 CPU cores: sequences of 256 tokens, one epoch over the reward-model share (4 of 2,4,4) of the
+# Sized for 2 CPU cores: sequences of 256 tokens, one epoch over the reward-model share (3 of 4,3,3) of the
 # synthetic pairs at the reward model's global batch 16, β 0.1 (the paper's TL;DR value: the synthetic task
 # is a miniature TL;DR), the tiny model's DPO learning rate; evaluation on 256 held-out pairs.
 BETA=0.1

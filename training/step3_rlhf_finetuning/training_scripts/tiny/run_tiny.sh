@@ -33,7 +33,7 @@ ACTOR_MODEL_PATH=${ACTOR_MODEL_PATH-./output/tiny/step1}    # set but empty: the
 CRITIC_MODEL_PATH=${CRITIC_MODEL_PATH-./output/tiny/step2}  # set but empty: embedded model + new head
 
 # Small enough for 2 CPU cores: prompts <= 192 and answers <= 64 tokens, 16 prompts per PPO step, a
-# capped number of steps over the PPO share (4 of 2,4,4) of the synthetic prompts, and held-out
+# capped number of steps over the PPO share (3 of the task's split 4,3,3) of the synthetic prompts, and held-out
 # evaluation of the SFT and final policies on 256 prompts (gold standard error ~0.02).  The PPO values are Table 5's (clip 0.2,
 # lambda 0.95, gamma 1, temperature 0.8, top-k 50) except the KL coefficient; learning rates suit the
 # tiny model.  KL 0.5, not 0.05: the tiny reward model ranks ~80% of held-out pairs right, and against it
