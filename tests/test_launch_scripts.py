@@ -561,12 +561,14 @@ def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(em
     step1, the quick start's step 1 at seed 1234) instead of training it again (~7 minutes on 2 CPU cores):
     that model must be what the current tiny step-1 script trains.  When this fails, re-record it with
     ``marlhf quickstart --step 1`` (or a new sweep) and copy the step-1 folder there.  The recorded sweep predates
-    the script's weight decay (1.0 since the main job adopted it): its SFT is the script with WEIGHT_DECAY=0.0,
-    which every recorded run of docs/results.md started from."""
+    the script's weight decay (1.0 since the main job adopted it) and the task's 4,3,3 split: its SFT is the script
+    with WEIGHT_DECAY=0.0 on the 2,4,4 split (scripts/reproduce.py's SWEEP_SPLIT), which every recorded run of
+    docs/results.md started from."""
     from transformers import AutoTokenizer
 
     recorded = json.loads((RECORDED_SFT / "args.json").read_text())
-    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, WEIGHT_DECAY="0.0")
+    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, WEIGHT_DECAY="0.0",
+                              EXTRA_ARGS="--data_split 2,4,4")
     keys = ("data_path", "data_split", "eval_fraction", "model_name_or_path", "num_train_epochs", "max_steps",
             "learning_rate", "lr_scheduler_type", "warmup_ratio", "num_warmup_steps", "weight_decay",
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_len", "seed", "dtype",
