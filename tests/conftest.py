@@ -17,6 +17,7 @@ STEP3 = REPO / "training/step3_rlhf_finetuning/main.py"
 # the quick start's step-1 model as the sweep recorded it (test_gold_rl starts from it; test_launch_scripts checks
 # that the current tiny step-1 script trains that model)
 RECORDED_SFT = REPO / "docs/results/runs/base/step1"
+RECORDED_SFT_SPLIT = "2,4,4"  # the data split it was trained on (scripts/reproduce.py's SWEEP_SPLIT)
 
 # The suite runs on two pytest-xdist workers sharing the machine's cores (pyproject.toml).  Each worker, and every
 # process it starts, computes on one thread: with torch's default of a thread per core, two training runs at

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RECORDED_SFT, REPO
+from conftest import RECORDED_SFT, RECORDED_SFT_SPLIT, REPO
 
 RL_STEPS = 16
 
@@ -32,10 +32,10 @@ def gold_run(request, embedded, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"gold_n{n}")
     # the critic starts from the SFT model too (a new value head): the reward is the gold scorer; the prompts are
-    # step 3's share of the split the recorded SFT was trained on (scripts/reproduce.py's SWEEP_SPLIT)
+    # step 3's share of the split the recorded SFT was trained on
     _e2e(out, "--step", "3", "--ngram", str(n), "--actor_model", str(RECORDED_SFT),
-         "--reward_model", str(RECORDED_SFT), "--extra_args=--reward_source=gold", "--extra_args=--data_split=2,4,4",
-         f"--extra_args=--max_steps={RL_STEPS}", port=29672 + n)
+         "--reward_model", str(RECORDED_SFT), "--extra_args=--reward_source=gold",
+         f"--extra_args=--data_split={RECORDED_SFT_SPLIT}", f"--extra_args=--max_steps={RL_STEPS}", port=29672 + n)
     return json.loads((out / "step3/summary.json").read_text())
 
 

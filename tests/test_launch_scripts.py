@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from conftest import RECORDED_SFT
+from conftest import RECORDED_SFT, RECORDED_SFT_SPLIT
 
 from marlhf.config import BaseArgs, DPOArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
 
@@ -568,7 +568,7 @@ def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(em
 
     recorded = json.loads((RECORDED_SFT / "args.json").read_text())
     _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, WEIGHT_DECAY="0.0",
-                              EXTRA_ARGS="--data_split 2,4,4")
+                              EXTRA_ARGS=f"--data_split {RECORDED_SFT_SPLIT}")
     keys = ("data_path", "data_split", "eval_fraction", "model_name_or_path", "num_train_epochs", "max_steps",
             "learning_rate", "lr_scheduler_type", "warmup_ratio", "num_warmup_steps", "weight_decay",
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_len", "seed", "dtype",

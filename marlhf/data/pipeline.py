@@ -326,8 +326,8 @@ class SFTCollator:
         ids, mask = _pad([b["input_ids"] for b in batch], self.pad_id)
         labels = ids.clone()
         labels[mask == 0] = -100
-        for i, b in enumerate(batch):
-            if not self.prompt_loss:
+        if not self.prompt_loss:
+            for i, b in enumerate(batch):
                 labels[i, :b["response_start"]] = -100
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
