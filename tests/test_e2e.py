@@ -205,3 +205,35 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
     assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm", "step3", False)]
     with pytest.raises(SystemExit, match="--onpolicy_rounds"):
         quickstart.main(["--output_dir", str(root), "--onpolicy_rounds", "0"])
+
+
+def test_round_reward_model_keeps_its_own_data_flags(tmp_path, monkeypatch):
+    """The quick start's --extra_args reach the rounds' `marlhf rm` too, but the round's own flags win: a user's
+    --extra_args=--data_split=4,3,3 (meant for the steps) once made the round's reward model train on 3/10 of its
+    pairs.  The command is parsed by `marlhf rm`'s own parser, as the run would."""
+    import dataclasses
+
+    from marlhf.cli import quickstart
+    from marlhf.config import RewardArgs, parse_args
+
+    step2_args, _ = parse_args(RewardArgs, ["--model_name_or_path", "sft", "--output_dir", str(tmp_path / "step2"),
+                                            "--data_split", "4,3,3", "--learning_rate", "1e-3"])
+    (tmp_path / "step2").mkdir()
+    (tmp_path / "step2/args.json").write_text(json.dumps(dataclasses.asdict(step2_args)))
+    out = tmp_path / "round"
+    (out / "pairs").mkdir(parents=True)
+    (out / "pairs/label.json").write_text("{}")  # the pairs exist: only the reward model is trained
+    commands = []
+    monkeypatch.setattr(quickstart, "run_logged", lambda cmd, log: commands.append(cmd) or 1.0)
+    user = ["--data_split", "4,3,3", "--data_path", "elsewhere", "--learning_rate", "5e-2", "--num_train_epochs",
+            "7", "--max_steps", "3", "--seed", "11"]
+    quickstart.onpolicy_reward_model(Path("policy"), tmp_path / "step2", out, 4, rm_args=user, epochs=2)
+    (cmd,) = commands
+    assert cmd[cmd.index("-m") + 1: cmd.index("-m") + 3] == ["marlhf", "rm"]
+    rm_args, _ = parse_args(RewardArgs, cmd[cmd.index("-m") + 3:])
+    # the round's own: its pairs, all of them for training, its output, epochs and learning rate
+    assert rm_args.data_path == [str(out / "pairs")] and rm_args.data_split == "0,1,0"
+    assert rm_args.output_dir == str(out / "reward_model") and rm_args.model_name_or_path == str(tmp_path / "step2")
+    assert rm_args.num_train_epochs == 2 and rm_args.learning_rate == quickstart.ONPOLICY_RM_LEARNING_RATE
+    # the user's flags the round does not set still apply
+    assert rm_args.max_steps == 3 and rm_args.seed == 11

@@ -85,7 +85,9 @@ def parse_args(argv=None):
                         f"and trains the reward model further on {ROUND_SAMPLES} of its answers per prompt paired "
                         f"with {ROUND_SAMPLES} of the SFT policy's.")
     p.add_argument("--extra_args", action="append", default=[],
-                   help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms).")
+                   help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms); the "
+                        "rounds' reward model gets them too, under its own data, output, epoch and learning-rate "
+                        "flags.")
     return p.parse_args(argv)
 
 
@@ -199,8 +201,9 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
     ``seed``: its sampling seed), paired and labelled by the gold scorer (``out/pairs``: train.jsonl and the
     held-out test.jsonl); with ``compare_with`` (an earlier policy's answers to the same prompts) the first
     ``samples`` of those join each prompt's answers before pairing.  The reward model continues on the train
-    pairs with step 2's settings (``out/reward_model``), ``rm_args`` last.  ``max_prompts``: the first that many
-    of step 2's prompts (0: all).  Each stage is skipped when its output exists.  Returns the seconds each
+    pairs with step 2's settings (``out/reward_model``) and ``rm_args``, the round's own flags (its pairs, split,
+    output, epochs, learning rate) winning over both.  ``max_prompts``: the first that many of step 2's prompts
+    (0: all).  Each stage is skipped when its output exists.  Returns the seconds each
     stage took."""
     step2 = json.loads(((step2 or rm) / "args.json").read_text())
     defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
@@ -226,11 +229,13 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
     if not (out / "reward_model" / "model.safetensors").exists():
         config = step2_config(step2, out / "rm_config.json",
                               drop=("data_path", "data_split", "data_output_path", "eval_fraction"))
+        # the user's flags first: the round's own (its pairs, split, output, epochs, learning rate) come last and
+        # win, so a flag meant for the steps (--extra_args=--data_split=...) cannot subsample the round's pairs
         seconds["reward_model"] = run_logged(marlhf_cmd(
-            "rm", "--config", str(config), "--model_name_or_path", str(rm),
+            "rm", "--config", str(config), *rm_args, "--model_name_or_path", str(rm),
             "--data_path", str(out / "pairs"), "--data_split", "0,1,0", "--data_output_path", str(out / "data"),
             "--output_dir", str(out / "reward_model"), "--num_train_epochs", str(epochs),
-            "--learning_rate", str(ONPOLICY_RM_LEARNING_RATE), "--disable_progress_bar", *rm_args),
+            "--learning_rate", str(ONPOLICY_RM_LEARNING_RATE), "--disable_progress_bar"),
             out / "reward_model.log")
     return seconds
 
