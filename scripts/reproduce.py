@@ -189,8 +189,8 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
     """SFT and reward model paths, training them once (steps 1–2 of the quick start, the main job's: step 2 ends
     with the reward model trained further on the SFT policy's answers) unless given.  ``--quick`` skips that
     round (minutes of generation) and uses step 2's model.  One round, on the SFT policy's answers: the sweep's
-    records were made with it, step 2 trained on the synthetic pairs first (the main job's second round, and its
-    reward model from the policy's pairs alone, came later)."""
+    records were made with it, all pairs of each prompt's answers, step 2 trained on the synthetic pairs first (the
+    main job's second round, its reward model from the policy's pairs alone and its disjoint pairs came later)."""
     base = root / "base"
     commands = []
     rm = str(base / ("step2" if args.quick else "step2_onpolicy/reward_model"))
@@ -200,7 +200,7 @@ def base_models(args, root: Path) -> tuple[str, str, list[str]]:
         steps = [s for s, given in ((1, args.sft), (2, args.rm)) if not given]
         cmd = [sys.executable, "-m", "marlhf.cli.quickstart", "--output_dir", str(base), "--step", *map(str, steps),
                *(["--actor_model", args.sft] if args.sft else []), "--onpolicy_rounds", "1", "--no-onpolicy_only",
-               *extra]
+               "--onpolicy_pairing", "all", *extra]
         env = {"MODEL_PATH": args.sft} if args.sft else {}
         commands.append(shlex.join(["python", *cmd[1:]]))
         if not (base / "summary.json").exists() and not args.report_only:

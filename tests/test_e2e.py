@@ -46,17 +46,17 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
         # the gold score's components are reported next to the total (issue 10)
         assert {f"gold_{k}" for k in GOLD_COMPONENTS} <= summary[policy].keys()
         assert 0.0 < summary[policy]["gold_score_se"] < 1.0  # 8 answers: the score's standard error
-    # between steps 2 and 3: 4 answers to each of 24 step-2 prompts from the SFT model, all 6 pairs of each
+    # between steps 2 and 3: 4 answers to each of 24 step-2 prompts from the SFT model, 2 disjoint pairs of each
     # prompt's answers labelled by the gold scorer (equal scores dropped), and step 2's reward model trained on
     # (3 steps here) before step 3 starts from it
     onpolicy = tmp_path / "run/step2_onpolicy"
     answers = [json.loads(line) for line in (onpolicy / "answers.jsonl").read_text().splitlines()]
     assert len(answers) == 96 and {a["sample"] for a in answers} == {0, 1, 2, 3}
     label = json.loads((onpolicy / "pairs/label.json").read_text())
-    assert label["settings"]["annotator"] == "gold" and label["settings"]["pairing"] == "all"
+    assert label["settings"]["annotator"] == "gold" and label["settings"]["pairing"] == "disjoint"
     counts = label["counts"]
-    assert counts["pairs"] + counts["identical_dropped"] + counts["empty_dropped"] + counts["ties_dropped"] == 24 * 6
-    assert counts["pairs"] > 24
+    assert counts["pairs"] + counts["identical_dropped"] + counts["empty_dropped"] + counts["ties_dropped"] == 24 * 2
+    assert counts["pairs"] > 12
     pairs = [json.loads(line) for name in ("train.jsonl", "test.jsonl")
              for line in (onpolicy / "pairs" / name).read_text().splitlines()]
     assert all(p["meta"]["annotator_scores"][0] != p["meta"]["annotator_scores"][1] for p in pairs)
@@ -168,7 +168,7 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
         return list(calls)
 
     r1, r2 = "step2_onpolicy/reward_model", "step2_onpolicy_round2/reward_model"
-    round1 = ("stage", "step1", "step2", 4, "all", "drop", 2, None)
+    round1 = ("stage", "step1", "step2", 4, "disjoint", "drop", 2, None)
     probe = (3, r1, "step2_onpolicy_round2/probe", True)  # step 3 against round 1's model, a small evaluation
     round2 = ("stage", "step2_onpolicy_round2/probe/actor", r1, 2, "all", "drop", 2, "step2_onpolicy/answers.jsonl")
     eval1, eval2 = ("eval", r1, "step2"), ("eval", r2, "step2")
@@ -187,9 +187,9 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
     assert run("--step", "3", *two) == [(3, r2, "step3", False)]  # reused
     assert (root / "step2_onpolicy/marker").exists()
     # one round, its flags
-    assert run("--step", "2", "3", "--onpolicy_samples", "2", "--onpolicy_pairing", "disjoint", "--onpolicy_ties",
+    assert run("--step", "2", "3", "--onpolicy_samples", "2", "--onpolicy_pairing", "all", "--onpolicy_ties",
                "keep", "--onpolicy_epochs", "3") == [
-        (2, "no epoch"), ("stage", "step1", "step2", 2, "disjoint", "keep", 3, None), eval1, (3, r1, "step3", False)]
+        (2, "no epoch"), ("stage", "step1", "step2", 2, "all", "keep", 3, None), eval1, (3, r1, "step3", False)]
     assert not (root / "step2_onpolicy/marker").exists()  # discarded with the step 2 it came from
     assert not (root / "step2_onpolicy_round2").exists()
     assert run("--onpolicy_samples", "0")[-1] == (3, "step2", "step3", False)

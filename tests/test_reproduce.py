@@ -356,8 +356,9 @@ def test_the_full_sweep_starts_from_the_main_jobs_reward_model(tmp_path):
     sft, rm, cmds = base_models(parse_args(["--dry_run"]), tmp_path)
     assert (sft, rm) == (str(tmp_path / "base/step1"), str(tmp_path / "base/step2_onpolicy/reward_model"))
     assert "--step 1 2" in cmds[0] and "--onpolicy_samples" not in cmds[0]
-    # the records were made with one round, step 2 trained on the synthetic pairs first
-    assert "--onpolicy_rounds 1 --no-onpolicy_only" in cmds[0]
+    # the records were made with one round on all pairs of each prompt's answers, step 2 trained on the
+    # synthetic pairs first
+    assert "--onpolicy_rounds 1 --no-onpolicy_only --onpolicy_pairing all" in cmds[0]
     sft, rm, cmds = base_models(parse_args(["--dry_run", "--quick"]), tmp_path)
     assert rm == str(tmp_path / "base/step2") and "--onpolicy_samples 0" in cmds[0]
     sft, rm, cmds = base_models(parse_args(["--dry_run", "--sft", "/m/sft"]), tmp_path)

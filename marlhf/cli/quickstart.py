@@ -8,8 +8,8 @@ feeding the next.  The default runs the embedded tiny model on the synthetic tas
     marlhf quickstart --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
 
 On the embedded task the reward model learns from preference pairs of the SFT policy's own answers
-(``--onpolicy_samples`` answers to each of step 2's prompts, all pairs, labelled by the task's gold scorer as a
-simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the distribution step 3 explores:
+(``--onpolicy_samples`` answers to each of step 2's prompts, in disjoint pairs, labelled by the task's gold scorer
+as a simulated annotator: ``marlhf generate`` → ``marlhf label`` → ``marlhf rm``), the distribution step 3 explores:
 step 2 runs without an epoch (the SFT model with a new score head, evaluated on the synthetic pairs) and that
 round trains it (``step2_onpolicy``).  Trained on the task's synthetic pairs, the reward model does not hold
 where step 3 goes (docs/results/onpolicy_reward.md); ``--no-onpolicy_only`` trains step 2 on them first, as the
@@ -63,13 +63,15 @@ def parse_args(argv=None):
     p.add_argument("--termination_condition", default=None, help="Step-3 macro-action rule (default: script's).")
     p.add_argument("--ngram", default=None, help="Step-3 n of the fixed rule (1 = vanilla PPO).")
     p.add_argument("--onpolicy_samples", type=int, default=4,
-                   help="Embedded task: SFT answers per step-2 prompt whose gold-labelled pairs (all K(K-1)/2 of "
-                        "them, ties dropped) train the reward model further at the end of step 2 (0: off; ignored "
-                        "for --task).")
+                   help="Embedded task: SFT answers per step-2 prompt whose gold-labelled pairs (--onpolicy_pairing, "
+                        "ties dropped) train the reward model further at the end of step 2 (0: off; ignored for "
+                        "--task).")
     p.add_argument("--onpolicy_max_prompts", type=int, default=0,
                    help="Of step 2's prompts, the first N answered for those pairs (0: all).")
-    p.add_argument("--onpolicy_pairing", default="all", choices=("all", "disjoint"),
-                   help="Pairs of a prompt's answers: all K(K-1)/2 or disjoint (0-1, 2-3, ...).")
+    p.add_argument("--onpolicy_pairing", default="disjoint", choices=("disjoint", "all"),
+                   help="Pairs of a prompt's answers: disjoint (0-1, 2-3, ...: each answer in one pair) or all "
+                        "K(K-1)/2 (3x the pairs and ~1.5x the reward model's time for K = 4; no better in step 3 "
+                        "at the seeds measured, docs/results/main_job_time.md).")
     p.add_argument("--onpolicy_ties", default="drop", choices=("drop", "keep"),
                    help="Pairs the annotator scores equal: drop, or keep with a coin-flip label.")
     p.add_argument("--onpolicy_epochs", type=int, default=2,
