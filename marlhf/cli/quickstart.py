@@ -70,8 +70,8 @@ def parse_args(argv=None):
                    help="Of step 2's prompts, the first N answered for those pairs (0: all).")
     p.add_argument("--onpolicy_pairing", default="disjoint", choices=("disjoint", "all"),
                    help="Pairs of a prompt's answers: disjoint (0-1, 2-3, ...: each answer in one pair) or all "
-                        "K(K-1)/2 (3x the pairs and ~1.5x the reward model's time for K = 4; no better in step 3 "
-                        "at the seeds measured, docs/results/main_job_time.md).")
+                        "K(K-1)/2 (3x the pairs and ~1.6x the reward model's time for K = 4; no better in step 3 "
+                        "at the one seed run both ways, docs/results/rm_levers.md).")
     p.add_argument("--onpolicy_ties", default="drop", choices=("drop", "keep"),
                    help="Pairs the annotator scores equal: drop, or keep with a coin-flip label.")
     p.add_argument("--onpolicy_epochs", type=int, default=2,
