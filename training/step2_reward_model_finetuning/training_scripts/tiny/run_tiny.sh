@@ -36,11 +36,12 @@ MODEL_PATH=${MODEL_PATH-./output/tiny/step1}  # set but empty: the embedded mode
 
 # Small enough for 2 CPU cores: sequences of 256 tokens (prompt <= 192, answer <= 64) over the reward-model
 # share (3 of the task's split 4,3,3) of the synthetic pairs, evaluation on 256 of them (label noise 0.1
-# caps the accuracy near 0.9).  The score head alone learns changes of shape (a dropped fact, sentence order) but not a fact
-# replaced by another of its kind, in two epochs; the likelihood term sees those, and with it a gentler
-# learning rate keeps what the SFT model's next-token head knows, in one epoch (measured on the 2,4,4 split's
-# 1,600 pairs, 100 steps: a second pass gave pair accuracy 0.879 against 0.871, and step 3 against it ended at
-# gold 0.611 / 0.523 / 0.609 at seeds 1234 / 1 / 2 against 0.561 / 0.606 / 0.596 — even, at 100 s more).
+# caps the accuracy near 0.9).  The score head alone learns changes of shape (a dropped fact, sentence
+# order) but not a fact replaced by another of its kind, in two epochs; the likelihood term sees those, and
+# with it a gentler learning rate keeps what the SFT model's next-token head knows, in one epoch (measured
+# on the 2,4,4 split's 1,600 pairs, 100 steps: a second pass gave pair accuracy 0.879 against 0.871, and
+# step 3 against it ended at gold 0.611 / 0.523 / 0.609 at seeds 1234 / 1 / 2 against 0.561 / 0.606 / 0.596
+# — even, at 100 s more).
 GLOBAL_BATCH=16
 LIKELIHOOD_TERM=$likelihood_term
 LIKELIHOOD_NORM=$likelihood_norm
