@@ -20,6 +20,8 @@ setup(
     long_description=(here / "README.md").read_text() if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["marlhf", "marlhf.*"]),
+    # what the package reads at run time besides its modules: the task registry (marlhf/tasks.py)
+    package_data={"marlhf": ["applications/README.md", "applications/*/*.json", "applications/*/*.txt"]},
     python_requires=">=3.10",
     install_requires=read_requirements("requirements.txt"),
     extras_require={"dev": read_requirements("requirements-dev.txt")},

@@ -21,7 +21,6 @@ from typing import ClassVar
 
 from marlhf.errors import ConfigError
 from marlhf.external_rewards import check_function_spec, check_url
-from marlhf.rlhf.advantages import check_estimator_options
 from marlhf.tasks import TaskNames
 
 
@@ -103,7 +102,7 @@ class BaseArgs:
     # --- data -------------------------------------------------------------------------------------------
     data_path: list[str] = opt(["synthetic"], "Datasets: hub names, NAME:LOCAL_PATH, local json/jsonl/parquet "
                                "files with prompt/chosen/rejected, or 'synthetic[:k=v,...]' (the embedded task).")
-    task: str = opt("auto", "The task (marlhf/tasks.py, applications/<task>/task.json): its response kind, gold scorer "
+    task: str = opt("auto", "The task (marlhf/tasks.py, marlhf/applications/<task>/): its response kind, gold scorer "
                     "and evaluation. auto: the task that declares the --data_path datasets (synthetic: the embedded "
                     "task; Dahoas/full-hh-rlhf: dialogue; ...), none when they belong to none (a local file of the "
                     "generic layout); none: no task.", choices=TaskNames())
@@ -542,6 +541,8 @@ class RLHFArgs(BaseArgs):
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""
 
         defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
+        from marlhf.rlhf.advantages import check_estimator_options  # torch: imported to validate, not for --help
+
         check_estimator_options(
             estimator=self.advantage_estimator, num_samples_per_prompt=self.num_samples_per_prompt,
             kl_penalty=self.kl_penalty, grpo_normalization=self.grpo_normalization, policy_ratio=self.policy_ratio,
@@ -617,12 +618,14 @@ def build_parser(cls: type[BaseArgs], description: str = "") -> argparse.Argumen
             kwargs["choices"] = meta["choices"]
         group.add_argument(*names, **kwargs)
     parser.set_defaults(**{f.name: _default(f) for f in dataclasses.fields(cls)})
-    try:  # DeepSpeed's own --deepspeed / --deepspeed_config, as DeepSpeed-Chat's scripts pass them
-        import deepspeed
-
-        parser = deepspeed.add_config_arguments(parser)
-    except ImportError:  # pragma: no cover - deepspeed is a hard requirement; keep --help usable without it
-        pass
+    # DeepSpeed's own flags, as DeepSpeed-Chat's scripts pass them: the four deepspeed.add_config_arguments adds,
+    # declared here because importing deepspeed (and torch with it) cost --help 2-3 s (tests/test_cli.py)
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
 
 

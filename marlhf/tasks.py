@@ -1,5 +1,6 @@
-"""The task registry: one folder per task under ``applications/`` (``task.json`` + a judge prompt), read here so that
-training, evaluation and the launch scripts use one definition of each task.
+"""The task registry: one folder per task under ``marlhf/applications/`` (``task.json`` + a judge prompt; package data,
+so an installed wheel has it), read here so that training, evaluation and the launch scripts use one definition of
+each task.
 
 A task gives its datasets, the prompt template a raw input becomes, how a response is post-processed, the judge's
 prompt and answer format, its default reward source, its metrics, the kind of its responses (text or code: the
@@ -29,8 +30,9 @@ from marlhf.data import synthetic
 from marlhf.data.adapters import dataset_name
 from marlhf.eval.judge import VerdictFormat, render_template
 
-# The repository's applications/ folder; MARLHF_APPLICATIONS points elsewhere (e.g. an installed copy).
-APPLICATIONS_DIR = Path(os.environ.get("MARLHF_APPLICATIONS", Path(__file__).resolve().parents[1] / "applications"))
+# The package's applications/ folder (shipped in the wheel: setup.py package_data); MARLHF_APPLICATIONS points
+# elsewhere (a folder of the user's own tasks).
+APPLICATIONS_DIR = Path(os.environ.get("MARLHF_APPLICATIONS", Path(__file__).resolve().parent / "applications"))
 POSTPROCESSORS = ("strip", "code_block")
 REWARD_SOURCES = ("reward_model", "program_tests")
 RESPONSE_KINDS = ("text", "code")

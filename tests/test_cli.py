@@ -73,3 +73,27 @@ def test_a_user_error_through_the_command_is_one_line_and_status_1(tmp_path):
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "nope" in last and "Traceback" not in out.stderr
+
+
+def test_version_flag_prints_the_installed_version():
+    from importlib import metadata
+
+    for flag in ("--version", "-V"):
+        out = subprocess.run([sys.executable, "-m", "marlhf", flag], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"marlhf {metadata.version('marlhf')}"
+
+
+@pytest.mark.parametrize("name", ["ppo", "sft", "rm", "dpo"])
+def test_training_help_imports_no_torch(name):
+    """`marlhf ppo --help` took 3-7 s while the step's module imported torch and DeepSpeed (and config.py
+    imported DeepSpeed for its --deepspeed flags) before reading a flag: the help must come from the flags alone."""
+    probe = ("import contextlib, io, sys\n"
+             "from marlhf.cli.main import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+             f"    main([{name!r}, '--help'])\n"
+             "assert out.getvalue().startswith('usage: marlhf'), out.getvalue()[:200]\n"
+             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,7 +1,7 @@
-"""The task registry (marlhf/tasks.py, applications/<task>/): every task loads, its prompt format matches what the
-dataset adapters build, post-processing cuts/extracts responses, judge templates render, bad folders are named; a
-run's task is the flag or the task declaring its datasets (never a guess from a path), and gives the response kind,
-the gold scorer and the launch scripts' values."""
+"""The task registry (marlhf/tasks.py, marlhf/applications/<task>/): every task loads, its prompt format matches
+what the dataset adapters build, post-processing cuts/extracts responses, judge templates render, bad folders are
+named; a run's task is the flag or the task declaring its datasets (never a guess from a path), and gives the
+response kind, the gold scorer and the launch scripts' values."""
 
 import json
 import shutil

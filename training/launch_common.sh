@@ -54,11 +54,11 @@ SAMPLES_PER_PROMPT=1       # step 3: answers per prompt (K of RLOO / GRPO); PPO_
 DEVICE=GPU                 # what one rank is called in error messages
 
 # -------------------------------------------------------------------------------------------- the tasks
-# task_values NAME: the task registry's view of a task (marlhf/tasks.py, applications/<task>/task.json): its name,
-# default dataset, data split and lengths, as shell assignments.
+# task_values NAME: the task registry's view of a task (marlhf/tasks.py, marlhf/applications/<task>/task.json):
+# its name, default dataset, data split and lengths, as shell assignments.
 task_values() {
     local values
-    values=$(python -m marlhf.tasks "$1") || die "no task '$1' in the task registry (applications/*/task.json)"
+    values=$(python -m marlhf.tasks "$1") || die "no task '$1' in the task registry (marlhf/applications/*/task.json)"
     eval "$values"
 }
 

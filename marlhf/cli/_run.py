@@ -1,23 +1,24 @@
 """What every training entry point does first, once: start the run from its flags and resolve what the flags leave
 open — the model an empty path stands for (the embedded default), the task, the end token and prompt format in
 force — into a run context recorded in ``args.json`` (:mod:`marlhf.utils.run`), never written back into the flags.
-Past this point the library receives sections and explicit values, not the flags."""
+Past this point the library receives sections and explicit values, not the flags.
+
+The library is imported inside the functions, not here: an entry point imports this module at its top, and
+``marlhf ppo --help`` should answer without importing torch (tests/test_cli.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from marlhf.data.formatting import ConversationFormat
-from marlhf.embedded import default_model
-from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids
-from marlhf.rewards import build_reward_source
-from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine, model_paths
-from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
-from marlhf.tasks import Task, resolve_task, response_kind
-from marlhf.utils.run import record_run_context, setup_run
-from marlhf.utils.tracking import close_run_log
+from marlhf.tasks import resolve_task, response_kind
+
+if TYPE_CHECKING:
+    from marlhf.data.formatting import ConversationFormat
+    from marlhf.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ def entry_point(main):
         try:
             return main(argv)
         finally:
-            close_run_log()
+            tracking = sys.modules.get("marlhf.utils.tracking")  # not imported (--help, a bad flag): no log opened
+            if tracking is not None:
+                tracking.close_run_log()
 
     return run
 
@@ -48,6 +51,10 @@ def start(args, model_flag: str, padding_side: str = "right", model: str | None 
     """Set up the run (process group, seed, logs, args.json), then resolve and record its context: ``model_flag``
     names the flag holding the model the step starts from (its tokenizer and format are the run's); ``model``:
     the folder it resolves to when the tool resolved it already (default: the flag, the embedded model if empty)."""
+    from marlhf.embedded import default_model
+    from marlhf.models.loading import load_tokenizer_and_format
+    from marlhf.utils.run import record_run_context, setup_run
+
     setup_run(args.output_dir, seed=args.seed, dtype=args.dtype, flags=dataclasses.asdict(args),
               save_steps=args.save_steps, resume=args.resume)
     model = model or default_model(getattr(args, model_flag))
@@ -62,6 +69,7 @@ def start(args, model_flag: str, padding_side: str = "right", model: str | None 
 def reward_source(args, task: Task | None, reward_model=None, ensemble=()):
     """Step 3's ``--reward_source`` (and its flags) built (:func:`marlhf.rewards.build_reward_source`);
     ``ensemble``: --reward_ensemble's other reward models, loaded."""
+    from marlhf.rewards import build_reward_source
 
     return build_reward_source(args.reward_source, reward_model=reward_model, task=task, workers=args.reward_workers,
                                function=args.reward_function, url=args.reward_url, timeout=args.reward_timeout,
@@ -73,6 +81,8 @@ def reward_source(args, task: Task | None, reward_model=None, ensemble=()):
 def step3_context(args, started_actor: str, task: Task | None) -> dict:
     """What step 3 resolves beside the actor: the critic / reward model paths (an empty critic flag with a reward
     model is the embedded default) and the response kind (the task's, else from the reward source)."""
+    from marlhf.embedded import default_model
+    from marlhf.rlhf.rlhf_engine import model_paths
 
     paths = model_paths(started_actor, args.critic_model_name_or_path, args.reward_model_name_or_path,
                         args.reward_source, default=lambda: default_model(""))
@@ -85,6 +95,9 @@ def step3_trainer(args, actor: str, tokenizer, fmt: ConversationFormat, context:
     """Step 3 from its flags and its run context (:func:`step3_context`): the four models' engines
     (:func:`marlhf.rlhf.rlhf_engine.build_rlhf_engine`) and the MA-PPO recipe with its reward source (``reward``:
     one built already, else ``--reward_source``'s).  Returns ``(trainer, learning rates in force)``."""
+    from marlhf.models.loading import stop_token_ids
+    from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine
+    from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
 
     sections = MAPPOSections.from_args(args, response_kind=context["response_kind"],
                                        stop_ids=stop_token_ids(tokenizer, fmt.end_of_conversation_token),

@@ -10,21 +10,23 @@ import sys
 
 from marlhf.cli._run import entry_point, start
 from marlhf.config import DPOArgs, parse_args
-from marlhf.data.pipeline import DataSection, build_phase_data
-from marlhf.dpo import dpo_objective
 from marlhf.errors import run_cli
-from marlhf.loop import LoopSection
-from marlhf.models.export import export_hf
-from marlhf.models.loading import load_causal_lm, load_options
-from marlhf.models.lora import apply_lora
-from marlhf.supervised import SupervisedSection, train
-from marlhf.utils.ds_engine import frozen_engine, with_learning_rate
-from marlhf.utils.run import record_run_context
 
 
 @entry_point
 def main(argv=None):
     args, _ = parse_args(DPOArgs, argv)
+    # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
+    from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.dpo import dpo_objective
+    from marlhf.loop import LoopSection
+    from marlhf.models.export import export_hf
+    from marlhf.models.loading import load_causal_lm, load_options
+    from marlhf.models.lora import apply_lora
+    from marlhf.supervised import SupervisedSection, train
+    from marlhf.utils.ds_engine import frozen_engine, with_learning_rate
+    from marlhf.utils.run import record_run_context
+
     # 1. the run, its tokenizer and the reward model's share of the data: (prompt, chosen, rejected) pairs
     run = start(args, "model_name_or_path")
     tokenizer, fmt = run.tokenizer, run.fmt

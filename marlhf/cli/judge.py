@@ -6,7 +6,7 @@
         --base_url https://api.openai.com/v1 --model gpt-4o --output judged.jsonl
 
 ``--a`` / ``--b``: jsonl rows {"prompt": ..., "response": ...}, row k of both files for the same prompt.
-The task folder (``applications/<task>/``) gives the judge prompt and post-processes the responses.  Each
+The task folder (``marlhf/applications/<task>/``) gives the judge prompt and post-processes the responses.  Each
 pair is shown in a random order fixed by ``--seed`` (recorded per pair in ``--output`` and undone);
 answers are cached under ``--cache_dir`` so a rerun sends no request twice.  Prints the summary (wins,
 ties, losses of A with 95% intervals, unparseable answers, failed requests) as JSON.

@@ -9,9 +9,19 @@ from marlhf.cli import COMMANDS
 from marlhf.errors import run_cli
 
 
+def version() -> str:
+    """The installed distribution's version (setup.py declares it once)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("marlhf")
+    except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: marlhf SUBCOMMAND [flags]   (marlhf SUBCOMMAND --help lists its flags)", "",
+    lines = ["usage: marlhf SUBCOMMAND [flags]   (marlhf SUBCOMMAND --help lists its flags; marlhf --version)", "",
              "RLHF with macro actions (MA-PPO) on DeepSpeed.", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "Several GPUs or nodes: deepspeed [--num_gpus N | --hostfile H] --module marlhf.cli.<sft|rm|dpo|ppo> "
@@ -23,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"marlhf {version()}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

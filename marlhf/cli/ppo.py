@@ -18,23 +18,25 @@ from pathlib import Path
 
 from marlhf.cli._run import entry_point, start, step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
-from marlhf.data.formatting import check_same_format
-from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
 from marlhf.errors import run_cli
-from marlhf.eval.policy import evaluate_policy
-from marlhf.models.export import export_hf
-from marlhf.rewards import evaluation_sources, require_meta
-from marlhf.rlhf.ptx import ptx_items
-from marlhf.rlhf.sections import EvalSection
-from marlhf.utils import dist
-from marlhf.utils.checkpoint import resumed_record
-from marlhf.utils.machine import machine_info
-from marlhf.utils.run import record_run_context
 
 
 @entry_point
 def main(argv=None):
     args, _ = parse_args(RLHFArgs, argv)
+    # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
+    from marlhf.data.formatting import check_same_format
+    from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
+    from marlhf.eval.policy import evaluate_policy
+    from marlhf.models.export import export_hf
+    from marlhf.rewards import evaluation_sources, require_meta
+    from marlhf.rlhf.ptx import ptx_items
+    from marlhf.rlhf.sections import EvalSection
+    from marlhf.utils import dist
+    from marlhf.utils.checkpoint import resumed_record
+    from marlhf.utils.machine import machine_info
+    from marlhf.utils.run import record_run_context
+
     # 1. the run: tokenizer (left padding for generation), format (the flags, else what step 1 recorded in the
     #    actor's folder), task, model paths and response kind; the RLHF share of the prompts
     run = start(args, "actor_model_name_or_path", padding_side="left")

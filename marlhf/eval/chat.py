@@ -1,6 +1,6 @@
 """A multi-turn conversation with a policy in its task's dialogue format.
 
-The history is kept as text in the task's raw format (``applications/<task>/``: HH's "\\n\\nHuman: …
+The history is kept as text in the task's raw format (``marlhf/applications/<task>/``: HH's "\\n\\nHuman: …
 \\n\\nAssistant: …" for dialogue), each earlier turn followed by the answer the policy gave; the policy's
 recorded prompt format then applies as everywhere else (a chat-template model sees the same turns as chat
 messages).  Answers are sampled through the generation seam and post-processed by the task (cut at the next

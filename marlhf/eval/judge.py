@@ -4,7 +4,7 @@ One interface, :class:`PairJudge`: given (prompt, first, second) triples in the 
 which position wins.  Two implementations:
 
 - :class:`ChatCompletionsJudge` asks a model behind any OpenAI-compatible ``/chat/completions`` endpoint,
-  with a task's judge prompt (``applications/<task>/judge.txt``), retries with exponential backoff on
+  with a task's judge prompt (``marlhf/applications/<task>/judge.txt``), retries with exponential backoff on
   429 / 5xx / timeouts / malformed bodies, at most ``concurrency`` requests in flight, and an on-disk cache
   keyed by everything that determines the answer (so a rerun never pays twice).  The API key is only ever
   put in the Authorization header: never logged, cached, written or shown in a repr.
