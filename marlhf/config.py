@@ -34,7 +34,8 @@ def opt(default, help: str, choices=None, aliases=()):  # noqa: A002 - mirrors a
 # subclass's own fields come after its parents', so each class's first new field starts a section)
 SECTION_STARTS = {
     "data_path": "data", "num_train_epochs": "optimisation", "local_rank": "DeepSpeed / precision",
-    "lora_dim": "LoRA", "output_dir": "output / logging", "loss_aggregation": "robustness",
+    "memory_check": "memory plan", "lora_dim": "LoRA", "output_dir": "output / logging",
+    "loss_aggregation": "robustness",
     "model_name_or_path": "model and batches", "label_smoothing": "reward model",
     "ref_model_name_or_path": "reference model", "beta": "DPO loss",
     "actor_model_name_or_path": "models", "per_device_generation_batch_size": "batches and lengths",
@@ -151,6 +152,20 @@ class BaseArgs:
     dtype: str = opt("fp32", "Training dtype. fp16 needs an accelerator with fp16 loss scaling.",
                      choices=("fp32", "bf16", "fp16"))
     bf16: bool = opt(False, "Same as --dtype bf16 (older launch scripts).")
+    attn_implementation: str = opt("auto", "Attention kernel of every model: auto picks per architecture "
+                                   "(flash_attention_2 with flash-attn on a GPU in bf16/fp16, else sdpa where the "
+                                   "model supports it, else eager: Gemma-2's soft-capped logits), or force one.",
+                                   choices=("auto", "sdpa", "flash_attention_2", "eager"))
+    # --- memory plan (marlhf/utils/memory_plan.py, docs/gpu.md) ------------------------------------------
+    memory_check: str = opt("refuse", "The memory plan printed at the start (per-rank model states, activations, "
+                            "KV cache, from the model configs): refuse a plan that cannot fit the GPU before "
+                            "loading any weight, naming the flags that would fit; warn; or off (no plan).",
+                            choices=("refuse", "warn", "off"))
+    plan_only: bool = opt(False, "Print the memory plan and exit (no weights loaded; a folder with only "
+                          "config.json plans too).")
+    plan_world_size: int = opt(0, "Ranks the memory plan divides ZeRO partitions over (0: the launched world).")
+    plan_device_memory_gb: float = opt(0.0, "GPU memory (GiB) the plan is checked against (0: this machine's GPU; "
+                                       "none: not checked).")
     # --- LoRA ---------------------------------------------------------------------------------------------
     lora_dim: int = opt(0, "LoRA rank; 0 disables LoRA.")
     lora_module_name: str = opt("", "Comma-separated module-name substrings that get LoRA (empty = all linear "

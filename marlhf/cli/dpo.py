@@ -19,20 +19,25 @@ def main(argv=None):
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
     from marlhf.data.pipeline import DataSection, build_phase_data
     from marlhf.dpo import dpo_objective
+    from marlhf.embedded import default_model
     from marlhf.loop import LoopSection
     from marlhf.models.export import export_hf
     from marlhf.models.loading import load_causal_lm, load_options
     from marlhf.models.lora import apply_lora
     from marlhf.supervised import SupervisedSection, train
     from marlhf.utils.ds_engine import frozen_engine, with_learning_rate
+    from marlhf.utils.memory_plan import check_memory, plan_only
     from marlhf.utils.run import record_run_context
 
+    if args.plan_only:  # the memory plan from the models' configs alone
+        return plan_only("dpo", args, default_model(args.model_name_or_path))
     # 1. the run, its tokenizer and the reward model's share of the data: (prompt, chosen, rejected) pairs
     run = start(args, "model_name_or_path")
     tokenizer, fmt = run.tokenizer, run.fmt
+    check_memory("dpo", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
     data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=2)
     # 2. the policy (optionally with LoRA) and the frozen reference, both the SFT model by default
-    load = load_options(args.dtype, args.zero_stage, args.offload)
+    load = load_options(args.dtype, args.zero_stage, args.offload, args.attn_implementation)
     policy = load_causal_lm(run.model, tokenizer, args.dropout, end_of_conversation_token=fmt.end_of_conversation_token,
                             **load)
     if args.lora_dim > 0:

@@ -27,15 +27,21 @@ def main(argv=None):
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
     from marlhf.data.formatting import check_same_format
     from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
+    from marlhf.embedded import default_model
     from marlhf.eval.policy import evaluate_policy
     from marlhf.models.export import export_hf
+    from marlhf.models.loading import attention_implementation
     from marlhf.rewards import evaluation_sources, require_meta
     from marlhf.rlhf.ptx import ptx_items
     from marlhf.rlhf.sections import EvalSection
     from marlhf.utils import dist
     from marlhf.utils.checkpoint import resumed_record
     from marlhf.utils.machine import machine_info
+    from marlhf.utils.memory_plan import check_memory, plan_only
     from marlhf.utils.run import record_run_context
+
+    if args.plan_only:  # the memory plan from the models' configs alone
+        return plan_only("ppo", args, default_model(args.actor_model_name_or_path))
 
     # 1. the run: tokenizer (left padding for generation), format (the flags, else what step 1 recorded in the
     #    actor's folder), task, model paths and response kind; the RLHF share of the prompts
@@ -43,6 +49,7 @@ def main(argv=None):
     tokenizer, fmt, task = run.tokenizer, run.fmt, run.task
     context = step3_context(args, run.model, task)
     record_run_context(args.output_dir, **context)
+    check_memory("ppo", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
     check_same_format(fmt, context["critic_model_name_or_path"], context["reward_model_name_or_path"],
                       *args.reward_ensemble)
     data_section = DataSection.from_args(args, fmt)
@@ -53,7 +60,8 @@ def main(argv=None):
                                 args.num_train_epochs, args.max_steps, what="prompts")
     # 2. actor / reference / critic / reward (+ EMA) engines, and the reward source (reward model, gold scorer,
     #    program tests, the user's function or server) in the MA-PPO recipe
-    trainer, learning_rates = step3_trainer(args, run.model, tokenizer, fmt, context, task, total_steps)
+    with attention_implementation(args.attn_implementation):  # every model the engines load
+        trainer, learning_rates = step3_trainer(args, run.model, tokenizer, fmt, context, task, total_steps)
     record_run_context(args.output_dir, learning_rates=learning_rates)
     rlhf = trainer.rlhf
     # 3. what the held-out evaluation reports: the reward model's score, the gold score, the training reward

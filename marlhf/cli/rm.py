@@ -20,22 +20,27 @@ def main(argv=None):
     args, _ = parse_args(RewardArgs, argv)
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
     from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.embedded import default_model
     from marlhf.loop import LoopSection
     from marlhf.models.export import export_hf
     from marlhf.models.loading import load_options, load_reward_model
     from marlhf.models.lora import apply_lora
     from marlhf.supervised import SupervisedSection, reward_objective, train
     from marlhf.utils.ds_engine import with_learning_rate
+    from marlhf.utils.memory_plan import check_memory, plan_only
     from marlhf.utils.run import record_run_context
 
+    if args.plan_only:  # the memory plan from the model's config alone
+        return plan_only("rm", args, default_model(args.model_name_or_path))
     # 1. the run, its tokenizer and the reward-model share of the data: (chosen, rejected) pairs
     run = start(args, "model_name_or_path")
     tokenizer, fmt = run.tokenizer, run.fmt
+    check_memory("rm", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
     data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
     model = load_reward_model(run.model, tokenizer, args.dropout, likelihood_term=args.likelihood_term,
                               likelihood_norm=args.likelihood_norm, likelihood_scale=args.likelihood_scale,
-                              **load_options(args.dtype, args.zero_stage, args.offload))
+                              **load_options(args.dtype, args.zero_stage, args.offload, args.attn_implementation))
     if args.lora_dim > 0:
         model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora, task="SEQ_CLS")
     # 3. train under DeepSpeed (evaluates accuracy and mean chosen / rejected scores)

@@ -14,6 +14,8 @@ loads both.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -108,6 +110,81 @@ def _distinct_pad(tok, end_of_conversation_token: str) -> None:
              "position)", before, tok.pad_token)
 
 
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
+# the --attn_implementation of the loads inside :func:`attention_implementation` (an entry point's models)
+_REQUESTED_ATTN = contextvars.ContextVar("marlhf_attn_implementation", default="auto")
+
+
+@contextlib.contextmanager
+def attention_implementation(requested: str):
+    """Models loaded inside use ``requested`` attention (``--attn_implementation``), also where a library function
+    loads them for the entry point (step 3's engines)."""
+    token = _REQUESTED_ATTN.set(requested)
+    try:
+        yield
+    finally:
+        _REQUESTED_ATTN.reset(token)
+
+
+def _model_class(cfg, value_head: bool):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING if value_head else MODEL_FOR_CAUSAL_LM_MAPPING
+    return mapping.get(type(cfg), None)
+
+
+def _flash_attention_usable() -> str | None:
+    """None when flash_attention_2 can run here, else why not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "it runs on CUDA GPUs only and this machine has none"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed (pip install flash-attn)"
+    return None
+
+
+def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.dtype = torch.float32,
+                                value_head: bool = False) -> str:
+    """The attention a model of ``cfg`` runs with.  ``auto`` picks per architecture from what its transformers
+    class declares: flash_attention_2 where the class supports it, flash-attn is installed, a GPU is present and
+    the dtype is 16-bit (its kernels take no fp32); else sdpa where the class supports it; else eager.  Gemma-2
+    declares no sdpa (its attention logits are soft-capped, which SDPA cannot do; transformers 5's flash-attention
+    kernels and eager can), so it gets eager on a CPU and flash_attention_2 on a GPU with flash-attn.
+    flash_attention_2 requested where it cannot run is a :class:`~marlhf.errors.PlatformError` saying why."""
+    requested = requested or _REQUESTED_ATTN.get()
+    if requested not in ATTN_IMPLEMENTATIONS:
+        from marlhf.errors import ConfigError
+
+        raise ConfigError(f"--attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got {requested!r}")
+    cls = _model_class(cfg, value_head)
+    if requested == "flash_attention_2":
+        why = _flash_attention_usable()
+        if why is None and cls is not None and not getattr(cls, "_supports_flash_attn", False):
+            why = f"transformers' {cls.__name__} does not support it"
+        if why:
+            from marlhf.errors import PlatformError
+
+            raise PlatformError(f"--attn_implementation flash_attention_2: {why}; use --attn_implementation auto "
+                                f"(sdpa or eager, whichever the architecture supports)")
+        return requested
+    if requested != "auto":
+        return requested
+    if cls is None:  # remote code: transformers' own default
+        return "sdpa"
+    if getattr(cls, "_supports_flash_attn", False) and dtype in (torch.bfloat16, torch.float16) \
+            and _flash_attention_usable() is None:
+        return "flash_attention_2"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def _attn_kwargs(cfg, dtype: torch.dtype, value_head: bool, requested: str | None) -> dict:
+    choice = resolve_attn_implementation(cfg, requested, dtype, value_head)
+    log.info("attention of %s (%s): %s (--attn_implementation %s)", getattr(cfg, "model_type", "?"),
+             "value model" if value_head else "causal LM", choice, requested or _REQUESTED_ATTN.get())
+    return {"attn_implementation": choice}
+
+
 def _config(path: str, dropout: float | None, **extra):
     cfg = AutoConfig.from_pretrained(path, **extra)
     if dropout is not None:
@@ -148,10 +225,12 @@ def zero3_init_config(zero_stage: int, offload: bool, dtype: str, extra: dict | 
     return cfg
 
 
-def load_options(dtype: str, zero_stage: int, offload: bool) -> dict:
+def load_options(dtype: str, zero_stage: int, offload: bool, attn_implementation: str | None = None) -> dict:
     """Keyword arguments of the load functions for a model of an engine at ``zero_stage`` in ``dtype``: the
-    dtype, and under ZeRO-3 construction already partitioned."""
-    return {"dtype": torch_dtype(dtype), "ds_config": zero3_init_config(zero_stage, offload, dtype)}
+    dtype, under ZeRO-3 construction already partitioned, and the attention (None: the entry point's,
+    :func:`attention_implementation`)."""
+    return {"dtype": torch_dtype(dtype), "ds_config": zero3_init_config(zero_stage, offload, dtype),
+            "attn_implementation": attn_implementation}
 
 
 @contextlib.contextmanager
@@ -176,13 +255,16 @@ def zero3_construction(ds_config: dict | None):
 
 
 def load_causal_lm(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
-                   end_of_conversation_token: str = "", ds_config: dict | None = None):
+                   end_of_conversation_token: str = "", ds_config: dict | None = None,
+                   attn_implementation: str | None = None):
     """A causal LM in ``dtype`` (the run's: a bf16 run never holds an fp32 copy), built partitioned when
-    ``ds_config`` is a ZeRO-3 config (:func:`zero3_construction`)."""
+    ``ds_config`` is a ZeRO-3 config (:func:`zero3_construction`), with ``attn_implementation`` (default: the
+    entry point's :func:`attention_implementation`; :func:`resolve_attn_implementation`)."""
     path = resolve_model_path(path)
     cfg = _config(path, dropout)
+    attn = _attn_kwargs(cfg, dtype, False, attn_implementation)
     with zero3_construction(ds_config):
-        model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype, **attn)
         _fit_vocab(model, tokenizer)
         _partition_new_parameters(model, ds_config)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -228,7 +310,7 @@ def _expected_unexpected_keys(cfg, pattern: str | None):
 
 
 def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
-                     ds_config: dict | None = None):
+                     ds_config: dict | None = None, attn_implementation: str | None = None):
     """A reward model / critic: base LM + scalar head (freshly initialised when ``path`` is a causal LM; under
     ZeRO-3 transformers initialises it on rank 0 and scatters it).  ``dtype`` / ``ds_config``: as
     :func:`load_causal_lm`."""
@@ -237,8 +319,9 @@ def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: 
     cfg.pad_token_id = tokenizer.pad_token_id
     # a likelihood term's weights are extra keys to transformers; load_reward_model reads them itself
     extra = _LIKELIHOOD_KEYS if getattr(cfg, "likelihood_term", False) else None
+    attn = _attn_kwargs(cfg, dtype, True, attn_implementation)
     with _expected_unexpected_keys(cfg, extra), zero3_construction(ds_config):
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=cfg, dtype=dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(path, config=cfg, dtype=dtype, **attn)
         _fit_vocab(model, tokenizer)
         _partition_new_parameters(model, ds_config)
     fp32_head(model.score)  # the value computed in float32 even when the engine runs bf16 (Fp32Linear)
@@ -248,7 +331,7 @@ def load_value_model(path: str, tokenizer, dropout: float | None = None, dtype: 
 
 def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype: torch.dtype = torch.float32,
                       likelihood_term: bool = False, ds_config: dict | None = None, likelihood_norm: str = "sum",
-                      likelihood_scale: float = 1.0):
+                      likelihood_scale: float = 1.0, attn_implementation: str | None = None):
     """A reward model: :func:`load_value_model`, plus the folder's :class:`LikelihoodTerm` when it has one.
 
     ``likelihood_term`` adds a fresh term (summing, or with ``likelihood_norm="mean"`` averaging, the answer's
@@ -260,7 +343,7 @@ def load_reward_model(path: str, tokenizer, dropout: float | None = None, dtype:
     import deepspeed
 
     path = resolve_model_path(path)
-    model = load_value_model(path, tokenizer, dropout, dtype, ds_config)
+    model = load_value_model(path, tokenizer, dropout, dtype, ds_config, attn_implementation)
     has_term = bool(getattr(model.config, "likelihood_term", False))
     if not (has_term or likelihood_term):
         return model
