@@ -112,14 +112,36 @@ def _is_hybrid(policy) -> bool:
     return isinstance(policy, DeepSpeedHybridEngine)
 
 
-def _gathered(module, zero_stage: int):
-    """Context that materialises every ZeRO-3 partitioned parameter of ``module`` (no-op otherwise)."""
-    if zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
+@contextlib.contextmanager
+def _gathered_for_generation(engine):
+    """A ZeRO-3 engine's parameters gathered once, with its forward hooks off, for one ``generate`` call.
 
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    ``deepspeed.zero.GatheredParameters`` alone is not enough: ZeRO-3's per-module hooks still run at every
+    forward, re-partitioning and re-gathering each layer at every token (8 tokens issued 93 all-gathers), and
+    those collectives put every rank in lock-step, so a rank whose answers end first left ``generate`` while
+    the others waited in an all-gather: a hang.  DeepSpeed's ``unwrap_model_for_generation`` removes the hooks
+    for the call and registers them again afterwards; ``generate`` then runs without a collective and each rank
+    stops when its own answers do (tests/test_zero3_generation.py).  It leaves one hook in place (DeepSpeed
+    0.19.8): the top module's start-of-forward hook, whose step reset checks with a broadcast that every rank
+    traced the same modules — a collective per token, which hangs as above; it is paused here too."""
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    with unwrap_model_for_generation(engine), _hook_paused(getattr(offload, "fwd_pre_hook", None)):
+        yield
+
+
+@contextlib.contextmanager
+def _hook_paused(handle):
+    """The hook behind a ``torch.utils.hooks.RemovableHandle`` taken out for the block and put back after it
+    (same id, so the handle still removes it)."""
+    hooks = handle.hooks_dict_ref() if handle is not None else None
+    fn = hooks.pop(handle.id, None) if hooks is not None else None
+    try:
+        yield
+    finally:
+        if fn is not None:
+            hooks[handle.id] = fn
 
 
 @torch.no_grad()
@@ -128,10 +150,10 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
     """``num_samples`` answers to each left-padded prompt.
 
     ``policy``: a Hugging Face causal LM or a DeepSpeed engine around one.  Under ZeRO-3 the parameters are
-    gathered once for the whole call (``zero3_generation="gather"``: fast, needs the full model in memory)
-    or fetched layer by layer at every token with the ranks kept in step (``"synced"``: DeepSpeed-Chat's
-    memory-safe path).  A hybrid engine generates with its inference kernels.  The policy's train/eval mode
-    is restored afterwards."""
+    gathered once for the whole call with ZeRO's hooks off (``zero3_generation="gather"``: fast, no collective
+    while generating, needs the full model in memory) or fetched layer by layer at every token with the ranks
+    kept in step until the last rank's answers end (``"synced"``: DeepSpeed-Chat's memory-safe path).  A hybrid
+    engine generates with its inference kernels.  The policy's train/eval mode is restored afterwards."""
     if zero3_generation not in ("gather", "synced"):
         raise ValueError(f"zero3_generation must be 'gather' or 'synced', got {zero3_generation!r}")
     if num_samples < 1:
@@ -141,13 +163,15 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
     module = policy if hybrid or not engine else policy.module
     zero3 = engine and not hybrid and _zero_stage(policy) == 3
     gather = zero3 and zero3_generation == "gather"
+    # "synced": the layers are fetched as each forward reaches them (collectives), so every rank keeps stepping,
+    # on dummy tokens once its own answers ended, until all ranks' answers have (transformers' synced_gpus)
+    synced = zero3 and not gather and dist.world_size() > 1
     was_training = policy.training
     policy.eval()
     # a seeded call restores every RNG stream manual_seed touches, the accelerator devices' included
     rng = contextlib.nullcontext() if cfg.seed is None else isolated_rng(cfg.seed + dist.rank())
     try:
-        with rng, _gathered(module, 3 if gather else 0):
-            synced = zero3 and not gather and dist.world_size() > 1
+        with rng, (_gathered_for_generation(policy) if gather else contextlib.nullcontext()):
             cache = None if hybrid or synced else shared_prefill(module, prompt_ids, prompt_mask, num_samples)
             if num_samples > 1:
                 prompt_ids = prompt_ids.repeat_interleave(num_samples, dim=0)
