@@ -23,7 +23,7 @@ from marlhf.errors import run_cli
 from marlhf.eval.generate import policy_folder
 from marlhf.eval.policy import evaluate_policy
 from marlhf.generation import GenerationConfig
-from marlhf.models.loading import load_causal_lm, load_reward_model, resolve_model_path, stop_token_ids
+from marlhf.models.loading import load_causal_lm, load_options, load_reward_model, resolve_model_path, stop_token_ids
 from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
 from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
@@ -41,17 +41,20 @@ def main(argv=None):
     check_same_format(fmt, rm_path, args.ref_model_name_or_path, *args.reward_ensemble)
     data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=3)
 
-    # 2. the policy, the reference (for the KL) and the reward model, all frozen
+    # 2. the policy, the reference (for the KL) and the reward model, all frozen, loaded as step 3 loads them: in
+    #    the run's --dtype, built partitioned under ZeRO-3, with --attn_implementation; the engines put them on
+    #    the accelerator
     def frozen(model):
         return frozen_engine(model, zero_stage=args.actor_zero_stage, offload=args.offload_reference_model,
                              dtype=args.dtype)
 
+    load = load_options(args.dtype, args.actor_zero_stage, args.offload_reference_model, args.attn_implementation)
     actor = frozen(load_causal_lm(resolve_model_path(run.model), tokenizer, 0.0,
-                                  end_of_conversation_token=fmt.end_of_conversation_token))
-    ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0)) \
+                                  end_of_conversation_token=fmt.end_of_conversation_token, **load))
+    ref = frozen(load_causal_lm(resolve_model_path(args.ref_model_name_or_path), tokenizer, 0.0, **load)) \
         if args.ref_model_name_or_path else None
-    reward_model = frozen(load_reward_model(resolve_model_path(rm_path), tokenizer, 0.0)) if rm_path else None
-    ensemble = [frozen(load_reward_model(resolve_model_path(p), tokenizer, 0.0)) for p in args.reward_ensemble]
+    reward_model = frozen(load_reward_model(resolve_model_path(rm_path), tokenizer, 0.0, **load)) if rm_path else None
+    ensemble = [frozen(load_reward_model(resolve_model_path(p), tokenizer, 0.0, **load)) for p in args.reward_ensemble]
     # 3. the sources step 3 reports: the reward model's score, the gold score, the program tests / user's reward,
     #    an ensemble's reward
     reward = reward_source(args, run.task, reward_model, ensemble) \

@@ -62,15 +62,19 @@ def read_pairs(path_a: str, path_b: str) -> list[tuple[str, str, str]]:
     return [(p, ra, rb) for (_, _, p, ra), (_, _, _, rb) in zip(a, b)]
 
 
-def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int):
-    """A reward model or the embedded task's gold scorer as the judge (the higher score wins)."""
+def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int, device: str = "auto",
+                dtype: str = "auto", attn_implementation: str = "auto"):
+    """A reward model or the embedded task's gold scorer as the judge (the higher score wins); the reward model on
+    ``device`` in ``dtype`` (:mod:`marlhf.eval.placement`) with ``attn_implementation``."""
 
     if kind == "reward_model":
         if not reward_model:
             raise ConfigError("--judge reward_model needs --reward_model (a step-2 output folder)")
         from marlhf.eval.reward import Scorer
+        from marlhf.models.loading import attention_implementation
 
-        rm = Scorer(reward_model)
+        with attention_implementation(attn_implementation):
+            rm = Scorer(reward_model, device=device, dtype=dtype)
         return ScorerJudge(lambda p, r: rm(p, r, batch_size), tie_margin)
 
     return ScorerJudge(gold_scores, tie_margin)
@@ -88,6 +92,13 @@ def main(argv=None) -> int:
     parser.add_argument("--reward_model", default="", help="--judge reward_model: the step-2 output folder")
     parser.add_argument("--tie_margin", type=float, default=0.0, help="Local judges: |score difference| <= this ties")
     parser.add_argument("--batch_size", type=int, default=16, help="Local reward-model judge's batch")
+    parser.add_argument("--device", default="auto", help="Local reward-model judge: auto (the GPU when there is "
+                        "one, else the CPU), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                        help="Local reward-model judge: auto is bf16 on a GPU that supports it, else fp32")
+    parser.add_argument("--attn_implementation", default="auto",
+                        choices=("auto", "sdpa", "flash_attention_2", "eager"),
+                        help="Local reward-model judge's attention (auto: per architecture, as the training steps)")
     parser.add_argument("--base_url", default=os.environ.get("OPENAI_BASE_URL"),
                         help="chat-completions endpoint base, e.g. https://api.openai.com/v1 (env OPENAI_BASE_URL)")
     parser.add_argument("--model", default=os.environ.get("MARLHF_JUDGE_MODEL"), help="(env MARLHF_JUDGE_MODEL)")
@@ -119,7 +130,8 @@ def main(argv=None) -> int:
         logging.info("judging %d pairs with %r (task %s, key %s)", len(pairs), judge, app.name,
                      "set" if key else "not set")
     else:
-        judge = local_judge(args.judge, args.reward_model, args.tie_margin, args.batch_size)
+        judge = local_judge(args.judge, args.reward_model, args.tie_margin, args.batch_size, args.device, args.dtype,
+                            args.attn_implementation)
         logging.info("judging %d pairs with the local %s judge (task %s)", len(pairs), args.judge, app.name)
     outcomes = compare_policies(judge, [p for p, _, _ in pairs], [app.postprocess(a) for _, a, _ in pairs],
                                 [app.postprocess(b) for _, _, b in pairs], seed=args.seed)

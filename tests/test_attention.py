@@ -1,0 +1,88 @@
+"""--attn_implementation (marlhf/models/loading.py): auto picks per architecture, every load passes the choice to
+transformers, and flash_attention_2 where it cannot run is refused with the reason."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, Qwen2Config
+
+from marlhf.errors import PlatformError
+from marlhf.models import loading
+
+DIMS = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {"llama": LlamaConfig(**DIMS), "gemma": GemmaConfig(**DIMS, head_dim=8),
+           "gemma2": Gemma2Config(**DIMS, head_dim=8, sliding_window=64), "qwen2": Qwen2Config(**DIMS)}
+# on a CPU: SDPA wherever transformers' class supports it; Gemma-2 declares no SDPA (its soft-capped attention
+# logits: transformers/models/gemma2/modeling_gemma2.py, `_supports_sdpa = False`), so eager
+CPU_CHOICE = {"llama": "sdpa", "gemma": "sdpa", "gemma2": "eager", "qwen2": "sdpa"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, embedded):
+    from marlhf.models.loading import load_tokenizer
+
+    tok = load_tokenizer(str(embedded.model_dir))
+    out = {}
+    for name, cfg in CONFIGS.items():
+        folder = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        out[name] = str(folder)
+    return out, tok
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_auto_per_architecture_as_loaded(arch, folders, caplog):
+    paths, tok = folders
+    caplog.set_level("INFO", logger="marlhf")
+    lm = loading.load_causal_lm(paths[arch], tok)
+    assert lm.config._attn_implementation == CPU_CHOICE[arch]
+    value = loading.load_value_model(paths[arch], tok, dtype=torch.bfloat16)
+    assert value.config._attn_implementation == CPU_CHOICE[arch]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention of")]
+    assert lines == [f"attention of {CONFIGS[arch].model_type} (causal LM): {CPU_CHOICE[arch]} "
+                     f"(--attn_implementation auto)",
+                     f"attention of {CONFIGS[arch].model_type} (value model): {CPU_CHOICE[arch]} "
+                     f"(--attn_implementation auto)"]
+
+
+def test_the_flag_wins_and_reaches_loads_inside_the_entry_points_block(folders):
+    paths, tok = folders
+    assert loading.load_causal_lm(paths["llama"], tok, attn_implementation="eager").config._attn_implementation \
+        == "eager"
+    with loading.attention_implementation("eager"):  # step 3's engines load inside this block
+        assert loading.load_reward_model(paths["qwen2"], tok).config._attn_implementation == "eager"
+        assert loading.load_causal_lm(paths["gemma"], tok, **loading.load_options("fp32", 0, False)) \
+            .config._attn_implementation == "eager"
+    assert loading.load_causal_lm(paths["gemma"], tok).config._attn_implementation == "sdpa"
+
+
+def test_flash_attention_on_a_cpu_machine_is_refused_saying_why(folders):
+    paths, tok = folders
+    with pytest.raises(PlatformError, match="flash_attention_2: it runs on CUDA GPUs only and this machine has "
+                                            "none; use --attn_implementation auto"):
+        loading.load_causal_lm(paths["llama"], tok, attn_implementation="flash_attention_2")
+
+
+def test_auto_takes_flash_attention_on_a_gpu_with_the_package_in_16_bit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = loading.importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: object() if name == "flash_attn"
+                        else real(name))
+    for arch in CONFIGS:  # Gemma-2's soft-capping runs in transformers 5's flash-attention kernels
+        assert loading.resolve_attn_implementation(CONFIGS[arch], "auto", torch.bfloat16) == "flash_attention_2"
+        # fp32: flash-attention kernels take 16-bit only
+        assert loading.resolve_attn_implementation(CONFIGS[arch], "auto", torch.float32) == CPU_CHOICE[arch]
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None if name == "flash_attn"
+                        else real(name))
+    assert loading.resolve_attn_implementation(CONFIGS["gemma2"], "auto", torch.bfloat16) == "eager"
+    with pytest.raises(PlatformError, match="the flash-attn package is not installed"):
+        loading.resolve_attn_implementation(CONFIGS["llama"], "flash_attention_2", torch.bfloat16)
+
+
+def test_every_step_and_eval_tool_takes_the_flag():
+    from marlhf.config import DPOArgs, PolicyEvalArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
+
+    for cls in (SFTArgs, RewardArgs, DPOArgs, RLHFArgs, PolicyEvalArgs):
+        ns = build_parser(cls).parse_args(["--attn_implementation", "eager"])
+        assert ns.attn_implementation == "eager"
