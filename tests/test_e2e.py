@@ -1,4 +1,4 @@
-"""The README's main job: marlhf quickstart runs the tiny launch scripts of steps 1 → 2 → 3 in order,
+"""The README's main job: marlhf quickstart runs steps 1 → 2 → 3 as the tiny launch scripts do, in order,
 each step's output feeding the next (here with a few steps each; the quick start runs them in full)."""
 
 import json
@@ -111,9 +111,11 @@ def test_pipeline_runner_chains_the_three_steps(embedded, tmp_path):
     assert "SFT policy" in proc.stdout and "final policy" in proc.stdout
     assert "gold_coverage" in proc.stdout and "gold_unfinished" in proc.stdout and "eos_rate" in proc.stdout
     assert "gold_score_se" in proc.stdout and "rm_score_se" in proc.stdout
-    # a one-rank launch script starts main.py itself, without the deepspeed runner (LAUNCHER=auto)
+    # one rank starts the installed entry point itself, without the deepspeed runner (LAUNCHER=auto), and the
+    # step's log holds the launch line and the step's output, as a launch script's does
     log = (tmp_path / "run/step1/training.log").read_text()
-    assert log.startswith("launch: python -u ") and "runner.py" not in log
+    assert log.startswith(f"launch: {sys.executable} -u -m marlhf sft\n") and "runner.py" not in log
+    assert "perplexity" in log
 
 
 def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path, monkeypatch):
@@ -144,22 +146,22 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
         (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
         return 1.0
 
-    def fake_launch(cmd, env, cwd):  # the launch script run_step starts: which step, with which critic, where
-        step = int(cmd[1].split("/step")[1][0])
+    def fake_launch(cmd, log):  # the entry point run_step starts: which step, with which critic, where
+        step = {"sft": 1, "rm": 2, "ppo": 3}[cmd[cmd.index("marlhf") + 1]]
         if step == 3:
-            out = Path(cmd[2])
+            out = Path(cmd[cmd.index("--output_dir") + 1])
+            critic = cmd[cmd.index("--critic_model_name_or_path") + 1]
             (out / "actor").mkdir(parents=True, exist_ok=True)
             (out / "actor/model.safetensors").write_text("weights")
-            calls.append((3, Path(env["CRITIC_MODEL_PATH"]).relative_to(root).as_posix()
-                          if env["CRITIC_MODEL_PATH"].startswith(str(root)) else env["CRITIC_MODEL_PATH"],
-                          out.relative_to(root).as_posix(), "--max_eval_samples=16" in env.get("EXTRA_ARGS", "")))
+            calls.append((3, Path(critic).relative_to(root).as_posix() if critic.startswith(str(root)) else critic,
+                          out.relative_to(root).as_posix(), "--max_eval_samples=16" in cmd))
         else:  # step 2 without an epoch on its synthetic pairs: --onpolicy_only
-            calls.append((step, "no epoch" if "--num_train_epochs=0" in env.get("EXTRA_ARGS", "") else None))
-        return subprocess.CompletedProcess(cmd, 0)
+            calls.append((step, "no epoch" if "--num_train_epochs=0" in cmd else None))
+        return 0
 
     monkeypatch.setattr(quickstart, "onpolicy_reward_model", fake_stage)
     monkeypatch.setattr(quickstart, "synthetic_accuracy", fake_eval)
-    monkeypatch.setattr(quickstart.subprocess, "run", fake_launch)
+    monkeypatch.setattr(quickstart, "launch", fake_launch)
     root = tmp_path / "run"
 
     def run(*argv):
@@ -202,7 +204,9 @@ def test_onpolicy_stage_runs_with_step_2_and_is_reused_by_step_3_alone(tmp_path,
     shutil.rmtree(root / "step2_onpolicy")
     shutil.rmtree(root / "step2_onpolicy_round2")
     assert run("--step", "3", *two) == [round1, probe, round2, eval2, (3, r2, "step3", False)]  # missing: run first
-    assert run("--step", "3", "--reward_model", "/models/rm") == [(3, "/models/rm", "step3", False)]
+    rm = tmp_path / "models/rm"  # a reward model of the user's, outside the run (it must exist: preflight)
+    rm.mkdir(parents=True)
+    assert run("--step", "3", "--reward_model", str(rm)) == [(3, str(rm), "step3", False)]
     with pytest.raises(SystemExit, match="--onpolicy_rounds"):
         quickstart.main(["--output_dir", str(root), "--onpolicy_rounds", "0"])
 

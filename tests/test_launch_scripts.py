@@ -702,3 +702,63 @@ def test_hostfile_example_lists_two_nodes_of_eight():
     hosts = [line.split() for line in HOSTFILE_EXAMPLE.read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
     assert len(hosts) == 2 and all(h[1] == "slots=8" for h in hosts)
+
+
+# ------------------------------------------------------------------------- the quick start's recipes (no bash)
+# marlhf quickstart runs each step from marlhf/recipes.py through the installed entry points (a wheel has no
+# training/ folder); every size it offers must hand its steps exactly the flags, ranks and launcher settings of the
+# launch script of that size, which stays the users' launcher and the reference
+SIZE_SCRIPTS = {"tiny": "tiny/run_tiny.sh", "tiny-2ranks": "tiny/run_tiny_2ranks.sh", "gemma-2b": "gemma/run_2b.sh",
+                "gemma-7b": "gemma/run_7b.sh", "gemma2-27b": "gemma2/run_27b.sh",
+                "codegemma-2b": "codegemma/run_2b.sh", "codegemma-7b": "codegemma/run_7b.sh",
+                "llama3.2-3b": "llama3.2/run_3b.sh"}
+QUICKSTART_ENVS = [  # the quick start's own variables and the users' common overrides
+    {},
+    {"TASK": "hh", "NUM_GPUS": "4", "EXTRA_ARGS": "--max_steps 3 --seed 7", "DATA_OUTPUT_PATH": "/d"},
+    {"TASK": "webgpt", "MODEL_PATH": "/m", "ACTOR_MODEL_PATH": "/a", "CRITIC_MODEL_PATH": "/c", "TERMINATION": "ppl",
+     "NGRAM": "3", "KL_CTL": "0.2", "PER_DEVICE_BATCH": "2", "PER_DEVICE_TRAIN_BATCH": "4", "MASTER_PORT": "29999"},
+    {"MODEL_PATH": "", "ACTOR_MODEL_PATH": "", "CRITIC_MODEL_PATH": "", "DATA_PATH": "synthetic:seed=7 synthetic",
+     "LIKELIHOOD_TERM": "0", "WEIGHT_DECAY": "0.5", "WHITEN_ADVANTAGES": "0", "GENERATION_BATCHES": "2"},
+]
+
+
+@pytest.mark.parametrize("size", sorted(SIZE_SCRIPTS))
+def test_quickstart_recipes_launch_what_the_scripts_launch(size, tmp_path):
+    from marlhf import recipes
+
+    assert sorted(SIZE_SCRIPTS) == recipes.sizes()
+    checked = 0
+    for step in (1, 2, 3):
+        path = script(step, SIZE_SCRIPTS[size])
+        assert path.exists() == recipes.has_step(size, step), (size, step)
+        if not path.exists():
+            continue
+        for env in QUICKSTART_ENVS:
+            if "TASK" in env and not size.startswith(("gemma", "llama")):
+                env = {k: v for k, v in env.items() if k != "TASK"}  # the tiny and code scripts have one task
+            for zero in ([], ["1"]):
+                out = run(path, tmp_path, str(tmp_path / "out"), *zero, **env)
+                try:
+                    launch = recipes.step_launch(size, step, tmp_path / "out", *zero, env=env)
+                except Exception as err:  # noqa: BLE001 - the script must have refused it as well
+                    assert out.returncode == 2 and out.argv is None, (size, step, env, err)
+                    continue
+                assert out.returncode == 0, (size, step, env, out.stderr)
+                where = f"{size} step {step} {env} {zero}"
+                assert launch.flags == out.flags, where
+                assert (str(launch.num_gpus), launch.master_port) == \
+                    (out.launcher_value("--num_gpus"), out.launcher_value("--master_port")), where
+                assert launch.log_file == tmp_path / "out" / "training.log"
+                checked += 1
+    assert checked >= 8
+
+
+def test_quickstart_recipe_command_uses_the_installed_entry_points(tmp_path):
+    from marlhf import recipes
+
+    one = recipes.step_launch("tiny", 1, tmp_path)
+    assert one.command("/env/bin/python")[:6] == ["/env/bin/python", "-u", "-m", "marlhf", "sft", "--data_path"]
+    two = recipes.step_launch("tiny-2ranks", 3, tmp_path)
+    # the runner of the interpreter's own environment, whatever PATH holds
+    assert two.command("/env/bin/python")[:7] == ["/env/bin/deepspeed", "--num_gpus", "2", "--master_port", "29500",
+                                                  "--module", "marlhf.cli.ppo"]

@@ -13,7 +13,7 @@ COMMANDS = {
     "label": ("label", "preference pairs on a policy's own answers, labelled by a simulated annotator"),
     "dpo": ("dpo", "step 2 alternative: DPO / IPO of the SFT policy on preference pairs"),
     "ppo": ("ppo", "step 3: RLHF with MA-PPO (PPO over macro actions; --ngram 1 is vanilla PPO), GRPO, RLOO"),
-    "quickstart": ("quickstart", "the main job: steps 1 -> 2 -> 3 with the launch scripts, then a summary"),
+    "quickstart": ("quickstart", "the main job: steps 1 -> 2 -> 3 as the launch scripts run them, then a summary"),
     "generate": ("generate", "sample a policy's answers to prompts into a resumable JSON-lines file"),
     "rm-eval": ("rm_eval", "score generations with a reward model (and the gold scorer): distributions"),
     "rw-eval": ("rw_eval", "score prompt/response pairs with a step-2 reward model; pair accuracy"),

@@ -1,8 +1,10 @@
 """Run the whole pipeline — step 1 (SFT) → step 2 (reward model) → step 3 (MA-PPO) — with one command.
 
-Like DeepSpeed-Chat's ``e2e_rlhf.py``: each step is its own launch script
-(``training/step*/training_scripts/<family>/run_<size>.sh``), run one after the other, each step's output
-feeding the next.  The default runs the embedded tiny model on the synthetic task on this machine's CPU:
+Like DeepSpeed-Chat's ``e2e_rlhf.py``: each step runs as its launch script
+(``training/step*/training_scripts/<family>/run_<size>.sh``) would run it -- the same flags, from the recipes in
+``marlhf/recipes.py`` -- through the installed entry points (``python -m marlhf sft`` on one rank, the
+``deepspeed`` runner beside this Python on more), one after the other, each step's output feeding the next; no
+checkout is needed.  The default runs the embedded tiny model on the synthetic task on this machine's CPU:
 
     marlhf quickstart
     marlhf quickstart --size gemma-2b --task tldr --output_dir /data/runs/gemma2b
@@ -35,25 +37,15 @@ import sys
 import time
 from pathlib import Path
 
+from marlhf import recipes
 from marlhf.config import RLHFArgs
-
-REPO = Path(__file__).resolve().parents[2]  # the checkout: marlhf/cli/quickstart.py
-STEP_DIRS = {1: "step1_supervised_finetuning", 2: "step2_reward_model_finetuning", 3: "step3_rlhf_finetuning"}
-SIZES = {  # --size -> (family folder, script name)
-    "tiny": ("tiny", "run_tiny.sh"),
-    "tiny-2ranks": ("tiny", "run_tiny_2ranks.sh"),
-    "gemma-2b": ("gemma", "run_2b.sh"),
-    "gemma-7b": ("gemma", "run_7b.sh"),
-    "gemma2-27b": ("gemma2", "run_27b.sh"),
-    "codegemma-2b": ("codegemma", "run_2b.sh"),
-    "codegemma-7b": ("codegemma", "run_7b.sh"),
-    "llama3.2-3b": ("llama3.2", "run_3b.sh"),
-}
+from marlhf.errors import ConfigError
+from marlhf.preflight import check_data, check_model
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="Model family/size of the launch scripts.")
+    p.add_argument("--size", default="tiny", choices=recipes.sizes(), help="Model family/size of the launch scripts.")
     p.add_argument("--step", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3], help="Steps to run.")
     p.add_argument("--output_dir", default="runs/quickstart", help="Root; steps write step1/, step2/, step3/.")
     p.add_argument("--task", default=None, help="TASK of the launch scripts (tldr, hh, webgpt, apps).")
@@ -93,18 +85,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def script_for(step: int, size: str) -> Path:
-    if not (REPO / "training" / "launch_common.sh").exists():
-        raise SystemExit("marlhf quickstart runs the launch scripts of a checkout (training/step*/training_scripts), "
-                         f"which this install ({REPO}) lacks: clone the repository and `pip install -e .` in it. "
-                         "The steps themselves need no checkout: marlhf sft | rm | ppo.")
-    family, name = SIZES[size]
-    path = REPO / "training" / STEP_DIRS[step] / "training_scripts" / family / name
-    if not path.exists():
-        raise SystemExit(f"step {step} has no launch script for size {size!r} ({path})")
-    return path
-
-
 def onpolicy_dir(root: Path, round_: int) -> Path:
     """Round 1's folder is ``step2_onpolicy``, round R's ``step2_onpolicy_roundR``."""
     return root / ("step2_onpolicy" if round_ == 1 else f"step2_onpolicy_round{round_}")
@@ -134,11 +114,9 @@ def synthetic_eval_dir(root: Path, rounds: int) -> Path:
     return onpolicy_dir(root, rounds) / "synthetic_eval"
 
 
-def run_step(step: int, args, root: Path, out: Path | None = None, reward_model: Path | None = None,
-             extra_args: tuple[str, ...] = ()) -> float:
-    """Run one step's launch script into ``out`` (default ``root/stepK``); step 3 against ``reward_model``
-    (default :func:`step3_reward_model`); ``extra_args``: flags after --extra_args'."""
-    out = out or root / f"step{step}"
+def step_env(step: int, args, root: Path, reward_model: Path | None = None, extra_args: tuple[str, ...] = ()) -> dict:
+    """The launch script's environment for one step: the user's, with the quick start's task, models and
+    EXTRA_ARGS (step 3 against ``reward_model``, default :func:`step3_reward_model`)."""
     env = dict(os.environ)
     if args.task:
         env["TASK"] = args.task
@@ -153,12 +131,102 @@ def run_step(step: int, args, root: Path, out: Path | None = None, reward_model:
         env.setdefault("MODEL_PATH", str(root / "step1"))
     if args.extra_args or extra_args:
         env["EXTRA_ARGS"] = " ".join([env.get("EXTRA_ARGS", ""), *args.extra_args, *extra_args]).strip()
-    cmd = ["bash", str(script_for(step, args.size)), str(out)] + ([args.zero_stage] if args.zero_stage else [])
+    return env
+
+
+def plan_step(step: int, args, root: Path, out: Path | None = None, reward_model: Path | None = None,
+              extra_args: tuple[str, ...] = ()) -> recipes.StepLaunch:
+    """One step as its launch script would start it into ``out`` (default ``root/stepK``); a setting the script
+    refuses stops here, before anything starts."""
+    out = out or root / f"step{step}"
+    if not recipes.has_step(args.size, step):
+        raise SystemExit(f"--size {args.size} has no step {step} (CodeGemma: no reward model, paper B.2)")
+    try:
+        return recipes.step_launch(args.size, step, out, args.zero_stage,
+                                   env=step_env(step, args, root, reward_model, extra_args))
+    except ConfigError as err:
+        raise SystemExit(f"step {step}: {err}") from None
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_devices(plan: recipes.StepLaunch, size: str) -> None:
+    """A step that asks for more GPUs than this machine has stops here, saying so.  DeepSpeed starts CPU ranks
+    over gloo where there is no GPU: the tiny sizes are made for that; a GPU size does it only when NUM_GPUS says
+    how many ranks (the user asked)."""
+    if plan.hostfile:  # the ranks run on the hostfile's nodes, not here
+        return
+    gpus = visible_gpus()
+    if gpus == 0 and plan.device == "GPU" and not plan.num_gpus_given:
+        raise SystemExit(f"--size {size} runs on {plan.num_gpus} GPUs per node (NUM_GPUS, default 8) and this "
+                         f"machine has none: run --size tiny here, or set NUM_GPUS=N to start N DeepSpeed CPU ranks "
+                         f"over gloo anyway (slow; Table 5's global batches are kept by gradient accumulation)")
+    if 0 < gpus < plan.num_gpus:
+        raise SystemExit(f"step {plan.step} asks for NUM_GPUS={plan.num_gpus} GPUs and this machine has {gpus}: set "
+                         f"NUM_GPUS={gpus} (Table 5's global batches are kept by gradient accumulation)")
+
+
+def flag_values(flags: list[str], flag: str) -> list[str]:
+    """The values of the last ``flag`` in ``flags`` (argparse keeps the last), up to the next flag."""
+    if flag not in flags:
+        return []
+    at = len(flags) - 1 - flags[::-1].index(flag)
+    values = []
+    for value in flags[at + 1:]:
+        if value.startswith("--"):
+            break
+        values.append(value)
+    return values
+
+
+def preflight(args, root: Path) -> list[recipes.StepLaunch]:
+    """Every step planned, and what each needs from this machine and the hub checked, before the first starts:
+    a refused setting, too few GPUs, or a model or dataset that cannot be had stops the run here, once
+    (not in every rank of a step that has started).  Models this run writes (under ``root``) are not checked."""
+    plans = [plan_step(step, args, root) for step in sorted(args.step)]
+    for plan in plans:
+        check_devices(plan, args.size)
+        try:
+            for flag in ("--model_name_or_path", "--actor_model_name_or_path", "--critic_model_name_or_path"):
+                for model in flag_values(plan.flags, flag):
+                    if not Path(model).resolve().is_relative_to(root):
+                        check_model(model, flag)
+            check_data(flag_values(plan.flags, "--data_path"))
+        except ConfigError as err:
+            raise SystemExit(f"step {plan.step}: {err}") from None
+    return plans
+
+
+def launch(cmd: list[str], log: Path) -> int:
+    """Run ``cmd`` with its output on the terminal and appended to ``log`` (the launch scripts' ``tee``); its
+    exit status."""
+    with open(log, "a") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        for line in iter(proc.stdout.readline, b""):
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+            f.write(line.decode(errors="replace"))
+            f.flush()
+    return proc.returncode
+
+
+def run_step(step: int, args, root: Path, out: Path | None = None, reward_model: Path | None = None,
+             extra_args: tuple[str, ...] = ()) -> float:
+    """Run one step into ``out`` (default ``root/stepK``) through the installed entry point, logged to its
+    ``training.log`` as the launch script logs it; step 3 against ``reward_model`` (default
+    :func:`step3_reward_model`); ``extra_args``: flags after --extra_args'.  Seconds taken."""
+    plan = plan_step(step, args, root, out, reward_model, extra_args)
+    cmd = plan.command()
     print(f"\n=== step {step}: {' '.join(cmd)}", flush=True)
+    plan.log_file.parent.mkdir(parents=True, exist_ok=True)
+    plan.log_file.write_text(f"launch: {' '.join(cmd[:len(cmd) - len(plan.flags)])}\n")  # as the scripts log it
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        raise SystemExit(f"step {step} failed with exit code {proc.returncode}; see {out}/training.log")
+    code = launch(cmd, plan.log_file)
+    if code != 0:
+        raise SystemExit(f"step {step} failed with exit code {code}; see {plan.log_file}")
     return time.time() - t0
 
 
@@ -331,6 +399,7 @@ def main(argv=None) -> int:
     if args.onpolicy_rounds < 1:
         raise SystemExit(f"--onpolicy_rounds must be >= 1 (--onpolicy_samples 0 turns the rounds off), "
                          f"got {args.onpolicy_rounds}")
+    preflight(args, root)
     seconds = {}
     stages = {}  # a round's parts (probe, generate, label, reward_model): where its time went
     sft = Path(args.actor_model or root / "step1")
