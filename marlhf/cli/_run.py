@@ -53,11 +53,16 @@ def start(args, model_flag: str, padding_side: str = "right", model: str | None 
     the folder it resolves to when the tool resolved it already (default: the flag, the embedded model if empty)."""
     from marlhf.embedded import default_model
     from marlhf.models.loading import load_tokenizer_and_format
+    from marlhf.preflight import check_data, check_model
     from marlhf.utils.run import record_run_context, setup_run
 
     setup_run(args.output_dir, seed=args.seed, dtype=args.dtype, flags=dataclasses.asdict(args),
               save_steps=args.save_steps, resume=args.resume)
     model = model or default_model(getattr(args, model_flag))
+    # a model or dataset the hub cannot give stops the run here, as one message from rank 0 (errors.run_cli),
+    # not as a connection traceback from every rank
+    check_model(model, f"--{model_flag}")
+    check_data(args.data_path)
     tokenizer, fmt = load_tokenizer_and_format(model, args.end_of_conversation_token, args.prompt_format,
                                                padding_side=padding_side, add_eot_token=args.add_eot_token)
     task = resolve_task(args.task, args.data_path)
