@@ -219,3 +219,29 @@ def test_plan_only_on_the_embedded_default_reads_no_weights(embedded, capsys, mo
         assert role in out
     assert f"{cfg.params / 1e6:.3g}M" in out
     assert "device: no accelerator (not checked)" in out
+
+
+# the architectures docs/gpu.md plans, from their public config.json: the published parameter counts
+PUBLISHED = {"gemma-2b": 2_506_172_416, "gemma-7b": 8_537_680_896, "gemma2-27b": 27_227_128_320,
+             "llama3.2-3b": 3_212_749_824, "llama3-8b": 8_030_261_248}
+
+
+def test_fixture_configs_have_the_published_parameter_counts():
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "fixtures" / "model_configs"
+    assert {name: mp.shape_of_folder(str(folder / name)).params for name in PUBLISHED} == PUBLISHED
+
+
+def test_docs_memory_table_is_current_and_every_launch_script_fits():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("memory_table", root / "scripts" / "memory_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.main(["--check"]) == 0, "docs/gpu.md's memory table is stale: python scripts/memory_table.py"
+    rows = [r for r in (root / "docs" / "gpu.md").read_text().splitlines() if r.startswith("| `step")]
+    assert len(rows) == 20  # 6 + 4 + 4 + 6 scripts of steps 1, 2, DPO and 3
+    assert all(r.endswith("| yes |") for r in rows), [r for r in rows if not r.endswith("| yes |")]

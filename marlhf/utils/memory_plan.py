@@ -157,21 +157,23 @@ def model_states(shape: ModelShape, *, trained: bool, zero_stage: int, world_siz
 
 
 def activation_bytes(shape: ModelShape, *, rows: int, seq_len: int, dtype: str, checkpointing: bool,
-                     eager_attention: bool = False, logits: bool = True) -> int:
+                     eager_attention: bool = False, logits: bool = True, logit_positions: int | None = None) -> int:
     """Bytes kept for backward by one training micro-batch of ``rows`` sequences of ``seq_len`` tokens.
 
     A stated approximation (Korthikanti et al. 2022, §4.1, per layer in 16-bit: 34·sbh + 5·as²b): 18·sbh for the
     attention block, norms and residuals, 4·sbI for the MLP (16·sbh at I = 4h), 5·as²b for eager attention's
     scores, softmax and dropout mask (SDPA and flash attention keep none); fp32 doubles it.  Gradient
     checkpointing keeps each layer's input (2·sbh) and recomputes one layer at a time.  ``logits``: the
-    vocabulary-wide logits the loss reads, in the run's dtype (the chunked log-probs keep no fp32 copy)."""
+    vocabulary-wide logits the loss reads, in the run's dtype (the chunked log-probs keep no fp32 copy), at
+    ``logit_positions`` per row (default all; step 3 projects the answer's only)."""
     b = _DTYPE_BYTES[dtype]
     tokens = rows * seq_len
     per_layer = tokens * (18 * shape.hidden + 4 * shape.intermediate) * b // 2
     if eager_attention:
         per_layer += 5 * shape.heads * seq_len * tokens * b // 2
     layers = shape.layers * tokens * shape.hidden * b + per_layer if checkpointing else shape.layers * per_layer
-    return layers + (tokens * shape.vocab * b if logits else 0)
+    positions = seq_len if logit_positions is None else logit_positions
+    return layers + (rows * positions * shape.vocab * b if logits else 0)
 
 
 def kv_cache_bytes(shape: ModelShape, *, rows: int, seq_len: int, dtype: str) -> int:
@@ -213,7 +215,8 @@ class Plan:
 
     @property
     def cpu(self) -> int:
-        return sum(m.cpu for m in self.models)
+        """Host memory of the offloaded states (DeepSpeed's estimate, per node)."""
+        return sum(m.cpu for m in self.models if m.offload != "-")
 
 
 def _model_line(role: str, shape: ModelShape, *, trained: bool, zero_stage: int, world_size: int, dtype: str,
@@ -276,10 +279,12 @@ def plan_rlhf(shapes: dict, *, world_size: int, dtype: str, actor_zero_stage: in
     transient = {
         f"KV cache ({generation_rows} x {seq} tokens)": kv_cache_bytes(actor, rows=generation_rows, seq_len=seq,
                                                                        dtype=dtype),
-        f"experience logits ({generation_rows} x {seq})": generation_rows * seq * actor.vocab * _DTYPE_BYTES[dtype],
+        # one forward of the policy over the generation batch: the answer positions' logits (rollout.policy_logprobs)
+        f"experience logits ({generation_rows} x {answer_len})":
+            generation_rows * answer_len * actor.vocab * _DTYPE_BYTES[dtype],
         f"actor activations ({training_rows} x {seq})": activation_bytes(
             actor, rows=training_rows, seq_len=seq, dtype=dtype, checkpointing=actor_checkpointing,
-            eager_attention=_eager(attn)),
+            eager_attention=_eager(attn), logit_positions=answer_len),
     }
     if "critic" in shapes:
         transient[f"critic activations ({training_rows} x {seq})"] = activation_bytes(
@@ -301,7 +306,7 @@ def format_plan(plan: Plan, device_bytes: int | None = None) -> str:
     for m in plan.models:
         rows.append((m.role, f"{m.params / 1e9:.3g}B" if m.params >= 1e8 else f"{m.params / 1e6:.3g}M",
                      "-" if not m.trainable else (f"{m.trainable / 1e6:.3g}M" if m.trainable < m.params else "all"),
-                     str(m.zero_stage), m.dtype, m.offload, gib(m.gpu), gib(m.cpu) if m.cpu else "-"))
+                     str(m.zero_stage), m.dtype, m.offload, gib(m.gpu), gib(m.cpu) if m.offload != "-" else "-"))
     biggest = max(plan.transient, key=plan.transient.get, default=None)
     for name, value in plan.transient.items():
         rows.append((name, "", "", "", "", "", gib(value), "peak" if name == biggest else ""))
