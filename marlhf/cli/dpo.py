@@ -52,7 +52,7 @@ def main(argv=None):
                                                                args.dpo_loss),
                   SupervisedSection.from_args(args), engine, LoopSection.from_args(args))
     # 4. export a plain Hugging Face model (ZeRO-3 weights gathered, LoRA merged)
-    export_hf(model, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
+    export_hf(model, tokenizer, args.output_dir, conversation=fmt)
 
 
 if __name__ == "__main__":

@@ -87,11 +87,11 @@ def main(argv=None):
     after = evaluate()
     # 5. export actor / critic / EMA as Hugging Face folders and write the summary
     out = Path(args.output_dir)
-    export_hf(rlhf.actor, tokenizer, out / "actor", args.actor_zero_stage, conversation=fmt)
+    export_hf(rlhf.actor, tokenizer, out / "actor", conversation=fmt)
     if rlhf.critic is not None:  # critic-free estimators have none
-        export_hf(rlhf.critic, tokenizer, out / "critic", args.critic_zero_stage, conversation=fmt)
+        export_hf(rlhf.critic, tokenizer, out / "critic", conversation=fmt)
     if rlhf.ema is not None:
-        export_hf(rlhf.ema, tokenizer, out / "actor_ema", args.actor_zero_stage, conversation=fmt)
+        export_hf(rlhf.ema, tokenizer, out / "actor_ema", conversation=fmt)
     if dist.is_main():
         summary = {"steps": steps, "initial_policy": before, "final_policy": after, "machine": machine_info()}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

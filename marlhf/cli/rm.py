@@ -50,7 +50,7 @@ def main(argv=None):
     model = train(model, data.train, data.eval, objective, SupervisedSection.from_args(args), engine,
                   LoopSection.from_args(args))
     # 4. export as a Hugging Face sequence-classification model
-    export_hf(model, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
+    export_hf(model, tokenizer, args.output_dir, conversation=fmt)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main(argv=None):
     model = train(model, data.train, data.eval, sft_objective(tokenizer.pad_token_id, args.prompt_loss),
                   SupervisedSection.from_args(args), engine, LoopSection.from_args(args))
     # 4. export a plain Hugging Face model (ZeRO-3 weights gathered, LoRA merged)
-    export_hf(model, tokenizer, args.output_dir, args.zero_stage, conversation=fmt)
+    export_hf(model, tokenizer, args.output_dir, conversation=fmt)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,17 @@ from marlhf.utils import dist
 log = logging.getLogger("marlhf")
 
 
-def gather_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Full CPU state dict on rank 0 (ZeRO-3 partitions gathered one parameter at a time); {} elsewhere."""
+def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full CPU state dict on rank 0 (ZeRO-3 partitions gathered one parameter at a time); {} elsewhere.
+
+    Whether a parameter is partitioned is read from the parameter itself (ZeRO-3 marks it), not from a flag:
+    a frozen engine can be ZeRO-3 beside a trained one that is not (the EMA under --offload_reference_model),
+    and exporting it at the actor's stage copied its empty partitions."""
     import deepspeed
 
     out = {}
     for name, param in model.named_parameters():
-        if zero_stage == 3 and hasattr(param, "ds_id"):
+        if hasattr(param, "ds_id"):
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                 if dist.is_main():
                     out[name] = param.detach().cpu().clone()
@@ -37,8 +41,8 @@ def gather_state_dict(model: nn.Module, zero_stage: int) -> dict[str, torch.Tens
     return out
 
 
-def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, zero_stage: int = 0,
-              dtype: torch.dtype | None = None, conversation=None) -> None:
+def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, dtype: torch.dtype | None = None,
+              conversation=None) -> None:
     """Write ``model`` (a DeepSpeed engine, peft model or plain transformers model) as a Hugging Face folder.
 
     Rank 0 rebuilds the architecture on the meta device, assigns the gathered weights, merges LoRA (and
@@ -49,7 +53,7 @@ def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, zero_stage: int 
     The config keeps ``use_cache: true`` (training turns the KV cache off; inference wants it).
     All ranks must call this (ZeRO-3 gathering is collective)."""
     module = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
-    state = gather_state_dict(module, zero_stage)
+    state = gather_state_dict(module)
     if dist.is_main():
         out_dir = Path(out_dir)
         tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")

@@ -35,6 +35,7 @@ from marlhf.rlhf.advantages import estimator_class
 from marlhf.rlhf.sections import BatchSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_section, frozen_engine, with_learning_rate
+from marlhf.utils.zero3 import local_partition, materialized
 
 if TYPE_CHECKING:
     from marlhf.config import EngineSection
@@ -331,19 +332,38 @@ def build_rlhf_engine(models: ModelsSection, actor_section: EngineSection, criti
 
 @torch.no_grad()
 def update_ema(actor, ema, decay: float) -> None:
-    """ema ← decay · ema + (1 − decay) · actor, parameter by parameter (gathered under ZeRO-3), in the EMA's
-    dtype (float32, :data:`EMA_DTYPE`) from the actor's weights as the engine holds them (bf16 in a bf16 run:
-    each differs from the optimizer's float32 master by at most half a bf16 step, an error that does not
-    accumulate, unlike rounding the average itself)."""
-    import deepspeed
+    """ema ← decay · ema + (1 − decay) · actor, parameter by parameter, in the EMA's dtype (float32,
+    :data:`EMA_DTYPE`) from the actor's weights as the engine holds them (bf16 in a bf16 run: each differs from
+    the optimizer's float32 master by at most half a bf16 step, an error that does not accumulate, unlike
+    rounding the average itself).
 
-    # same architecture, no LoRA (build_rlhf_engine rejects EMA with LoRA): parameters pair up by name
-    a_params = dict(actor.module.named_parameters())
+    Each rank updates what it holds, with no communication: under ZeRO-3 the EMA's partition of each parameter
+    from the actor's same partition (the actor at ZeRO-3: the same partitioning, both built alike) or from the
+    matching slice of the actor's whole parameter (the actor at stages 0-2, the EMA partitioned by
+    ``--offload_reference_model``).  Gathering every parameter and broadcasting it from rank 0 moved the whole
+    model between ranks twice a step (~51 GB at 7B).  A parameter ZeRO-3 keeps whole on every rank (below its
+    persistence threshold) is updated whole and its partition rewritten from it."""
+    a_params = dict(actor.module.named_parameters())  # same architecture, no LoRA (build_rlhf_engine): by name
     for name, p_ema in ema.module.named_parameters():
         p = a_params[name]
-        # the ZeRO-3 partitioned ones (the actor's at --actor_zero_stage 3; the EMA's then or when offloaded)
-        params = [q for q in (p, p_ema) if hasattr(q, "ds_id")]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
-            if not params or dist.is_main():
-                p_ema.data.lerp_(p.data.to(p_ema.dtype), 1.0 - decay)  # ema + (1 − decay)(actor − ema)
+        if hasattr(p_ema, "ds_id"):  # this rank's flat ZeRO-3 partition, from the actor's same share
+            part = p_ema.ds_tensor
+            source = p.ds_tensor if hasattr(p, "ds_id") else local_partition(p.data, p_ema)
+            if source.numel() != part.numel():
+                raise RuntimeError(f"EMA update: the actor's and the EMA's ZeRO-3 partitions of {name} differ in size "
+                                   f"({source.numel()} vs {part.numel()})")
+            part.lerp_(source.to(part.device, part.dtype), 1.0 - decay)
+        if materialized(p_ema):  # held whole (below ZeRO-3, or a persistent ZeRO-3 parameter once fetched)
+            p_ema.data.lerp_(_whole(p).to(p_ema.device, p_ema.dtype), 1.0 - decay)
 
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value: itself, unless ZeRO-3 partitioned it (then gathered: collective, and only
+    reached when the EMA holds a parameter whole that the actor does not, which does not happen: ZeRO-3 makes
+    the same parameters persistent in both, and the actor's are fetched at every training step)."""
+    if materialized(p):
+        return p.data
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p]):
+        return p.data.clone()

@@ -23,6 +23,7 @@ import torch
 
 from marlhf.errors import ConfigError, UserError
 from marlhf.utils import dist, events
+from marlhf.utils.zero3 import materialized
 
 log = logging.getLogger("marlhf")
 
@@ -53,7 +54,10 @@ def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, kee
         shutil.rmtree(folder)
     dist.barrier()
     for name, engine in engines.items():
-        engine.save_checkpoint(str(folder), tag=name, save_latest=False)
+        if _is_frozen(engine):
+            _save_frozen(engine, folder / name)
+        else:
+            engine.save_checkpoint(str(folder), tag=name, save_latest=False)
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(dist.rng_state(), folder / f"rng_rank{dist.rank()}.pt")
     events.reached("save", step)  # the engines' files are written, the checkpoint is not complete yet
@@ -69,6 +73,44 @@ def save_checkpoint(root: str | Path, engines: dict, step: int, state: dict, kee
         log.info("saved checkpoint %s", folder)
     dist.barrier()
     return folder
+
+
+# A frozen engine's weights (the EMA: no optimizer, updated by the trainer), one file per rank: the rank's
+# ZeRO-3 partitions, or the whole parameters (identical on every rank) below stage 3
+FROZEN_FILE = "weights_rank{rank}.pt"
+
+
+def _is_frozen(engine) -> bool:
+    """An engine with no trainable parameter.  DeepSpeed sets up no checkpointing for one at ZeRO-3 (its
+    ``save_checkpoint`` failed: 'NoneType' object has no attribute 'makedirs'), and it has no optimizer state to
+    save at any stage: its weights are saved by :func:`_save_frozen` instead."""
+    module = getattr(engine, "module", engine)
+    return not any(p.requires_grad for p in module.parameters())
+
+
+def _save_frozen(engine, folder: Path) -> None:
+    """Each rank's ZeRO-3 partitions (what it holds for sure), or the whole parameters below ZeRO-3."""
+    module = getattr(engine, "module", engine)
+    state = {n: (p.ds_tensor if hasattr(p, "ds_id") else p.data).detach().cpu().clone()
+             for n, p in module.named_parameters()}
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / FROZEN_FILE.format(rank=dist.rank()))
+
+
+@torch.no_grad()
+def _load_frozen(engine, folder: Path) -> None:
+    saved = torch.load(folder / FROZEN_FILE.format(rank=dist.rank()), weights_only=True)
+    module = getattr(engine, "module", engine)
+    for name, p in module.named_parameters():
+        if not hasattr(p, "ds_id"):
+            p.data.copy_(saved[name])
+            continue
+        p.ds_tensor.copy_(saved[name])
+        if materialized(p):  # a persistent ZeRO-3 parameter already fetched: its whole copy from the partitions
+            parts = torch.distributed.get_world_size(p.ds_process_group)
+            whole = torch.empty(p.ds_tensor.numel() * parts, dtype=p.dtype, device=p.ds_tensor.device)
+            torch.distributed.all_gather_into_tensor(whole, p.ds_tensor.to(whole.device), group=p.ds_process_group)
+            p.data.copy_(whole[:p.ds_numel].view_as(p.data))
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -97,6 +139,9 @@ def load_checkpoint(root: str | Path, engines: dict) -> dict | None:
     folder, state = Path(found[0]), found[1]
     check_topology(folder, state.get("topology"), topology(engines))
     for name, engine in engines.items():
+        if _is_frozen(engine) and (folder / name / FROZEN_FILE.format(rank=dist.rank())).exists():
+            _load_frozen(engine, folder / name)
+            continue
         path, _ = engine.load_checkpoint(str(folder), tag=name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
         if path is None:
