@@ -59,11 +59,18 @@ exit "${FAKE_PY_EXIT:-0}"
 """
 
 
-def fake_bin(tmp_path: Path, python: bool = False) -> Path:
-    """tmp_path/fakebin with the fake launcher (and, with ``python``, the fake python) in it."""
+# A machine of FAKE_GPUS GPUs for the scripts' GPU count (check_gpus): by default enough for every NUM_GPUS here.
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+for ((i = 0; i < ${FAKE_GPUS:-64}; i++)); do echo "GPU $i: Fake GPU (UUID: GPU-$i)"; done
+"""
+
+
+def fake_bin(tmp_path: Path) -> Path:
+    """tmp_path/fakebin with the fake launcher, python and nvidia-smi in it.  The python is there for the runner:
+    the scripts start the ``deepspeed`` beside the python they run."""
     bin_dir = tmp_path / "fakebin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in {"deepspeed": FAKE_DEEPSPEED, **({"python": FAKE_PYTHON} if python else {})}.items():
+    for name, text in {"deepspeed": FAKE_DEEPSPEED, "python": FAKE_PYTHON, "nvidia-smi": FAKE_NVIDIA_SMI}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return bin_dir
@@ -625,7 +632,6 @@ def test_tiny_model_path_override(tmp_path):
 def run_auto(path: Path, tmp_path: Path, **env: str) -> tuple[Launch, list[str] | None, str]:
     """``run`` with LAUNCHER=auto (the default: LAUNCHER unset) and a fake python: (the launch, python's
     arguments or None, the variables it saw)."""
-    fake_bin(tmp_path, python=True)
     record = tmp_path / "python_args"
     for f in (record, Path(f"{record}.env")):
         f.unlink(missing_ok=True)
@@ -762,3 +768,42 @@ def test_quickstart_recipe_command_uses_the_installed_entry_points(tmp_path):
     # the runner of the interpreter's own environment, whatever PATH holds
     assert two.command("/env/bin/python")[:7] == ["/env/bin/deepspeed", "--num_gpus", "2", "--master_port", "29500",
                                                   "--module", "marlhf.cli.ppo"]
+
+
+# ----------------------------------------------------------------------------- GPUs and the runner (issue 57.7)
+def test_gpu_script_without_gpus_needs_num_gpus_given(tmp_path):
+    """A GPU size on a machine without GPUs stopped only when each of its 8 ranks failed; now the script says so
+    before launching, naming the variable that asks for CPU ranks instead."""
+    sft = script(1, "gemma/run_2b.sh")
+    bad = run(sft, tmp_path, FAKE_GPUS="0")
+    assert bad.returncode == 2 and bad.argv is None
+    assert "this machine has no GPU" in bad.stderr and "set NUM_GPUS=N to start N DeepSpeed CPU ranks" in bad.stderr
+    asked = launch_ok(sft, tmp_path, FAKE_GPUS="0", NUM_GPUS="2")  # CPU ranks, asked for by name
+    assert asked.launcher_value("--num_gpus") == "2"
+    tiny = launch_ok(script(1, "tiny/run_tiny_2ranks.sh"), tmp_path, FAKE_GPUS="0")  # CPU ranks by design
+    assert tiny.launcher_value("--num_gpus") == "2"
+
+
+def test_more_gpus_than_the_machine_has_stop_with_the_count(tmp_path):
+    bad = run(script(3, "gemma/run_2b.sh"), tmp_path, FAKE_GPUS="2")
+    assert bad.returncode == 2 and bad.argv is None
+    assert "NUM_GPUS=8 GPUs asked for and this machine has 2 GPUs: set NUM_GPUS=2" in bad.stderr
+    visible = run(script(1, "gemma/run_2b.sh"), tmp_path, CUDA_VISIBLE_DEVICES="0,1,2,3")
+    assert visible.returncode == 2 and "this machine has 4 GPUs" in visible.stderr
+    launch_ok(script(1, "gemma/run_2b.sh"), tmp_path, FAKE_GPUS="2", NUM_GPUS="2")
+    launch_ok(MULTI_NODE, tmp_path, "out", FAKE_GPUS="0", **default_env(MULTI_NODE))  # the nodes are elsewhere
+
+
+def test_runner_is_the_one_beside_python(tmp_path):
+    """The `deepspeed` of the python's own environment, not whichever comes first on PATH (nor none: an environment
+    used by its python alone once stopped at `deepspeed: command not found`)."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "deepspeed").write_text("#!/usr/bin/env bash\necho 'the wrong deepspeed' >&2\nexit 99\n")
+    (other / "deepspeed").chmod(0o755)
+    bin_dir = fake_bin(tmp_path)
+    env = {"PATH": f"{other}{os.pathsep}{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    out = launch_ok(script(1, "tiny/run_tiny_2ranks.sh"), tmp_path, **env)
+    assert out.argv[:2] == ["--num_gpus", "2"] and "the wrong deepspeed" not in out.stderr
+    assert (tmp_path / "output/tiny_2ranks/step1/training.log").read_text().startswith(
+        f"launch: {bin_dir / 'deepspeed'} --num_gpus 2")

@@ -140,9 +140,40 @@ code_reward() {
 # hostfile_hosts FILE: the hosts of a DeepSpeed hostfile (its lines that are neither blank nor comments).
 hostfile_hosts() { grep -cE '^[[:space:]]*[^#[:space:]]' "$1" || true; }
 
+# visible_gpus: the GPUs of this machine (nvidia-smi's list, within CUDA_VISIBLE_DEVICES when set); 0 without
+# nvidia-smi.
+visible_gpus() {
+    local n=0
+    if command -v nvidia-smi > /dev/null 2>&1; then n=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true); fi
+    if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        local -a ids
+        IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
+        if (( ${#ids[@]} < n )); then n=${#ids[@]}; fi
+    fi
+    echo "$n"
+}
+
+# check_gpus NUM_GPUS_GIVEN: more ranks per node than this machine has GPUs stop here, saying so.  Without a GPU,
+# DeepSpeed starts CPU ranks over gloo: the tiny scripts (DEVICE=rank) are made for that; a GPU script does it only
+# when NUM_GPUS was given (the user asked for that many CPU ranks).  With a HOSTFILE the ranks run on its nodes.
+check_gpus() {
+    local given=$1 gpus
+    [[ -z "$HOSTFILE" ]] || return 0
+    gpus=$(visible_gpus)
+    if (( gpus == 0 )) && [[ "$DEVICE" == GPU && -z "$given" ]]; then
+        die "this machine has no GPU and this script starts NUM_GPUS=$NUM_GPUS GPU ranks (the default): set" \
+            "NUM_GPUS=N to start N DeepSpeed CPU ranks over gloo anyway (slow), or run the tiny scripts"
+    fi
+    if (( gpus > 0 && NUM_GPUS > gpus )); then
+        die "NUM_GPUS=$NUM_GPUS ${DEVICE}s asked for and this machine has $gpus GPUs: set NUM_GPUS=$gpus (the" \
+            "global batch is kept by gradient accumulation)"
+    fi
+}
+
 # resolve_world: WORLD = NUM_GPUS (per node, default 8) x nodes (NUM_NODES, else the hosts in HOSTFILE,
-# else 1).
+# else 1), after check_gpus.
 resolve_world() {
+    local given=${NUM_GPUS:-}
     NUM_GPUS=${NUM_GPUS:-8}
     HOSTFILE=${HOSTFILE:-}
     if [[ -n "$HOSTFILE" ]]; then
@@ -151,6 +182,7 @@ resolve_world() {
     fi
     NUM_NODES=${NUM_NODES:-1}
     WORLD=$((NUM_GPUS * NUM_NODES))
+    check_gpus "$given"
 }
 
 # grad_accum GLOBAL PER_DEVICE: sets GRAD_ACCUM so that GLOBAL = PER_DEVICE x GRAD_ACCUM x WORLD.  Table 5's
@@ -254,6 +286,18 @@ dpo_flags() {
 }
 
 # ---------------------------------------------------------------------------------------------- launch
+# deepspeed_launcher: the `deepspeed` runner installed beside the python these scripts run (an environment's bin/
+# need not be on PATH for it), else the first on PATH.
+deepspeed_launcher() {
+    local python
+    python=$(command -v python) || die "no python on PATH: activate the environment marlhf is installed in"
+    if [[ -x "$(dirname "$python")/deepspeed" ]]; then
+        echo "$(dirname "$python")/deepspeed"
+    else
+        command -v deepspeed || die "deepspeed: not found beside $python nor on PATH (pip install deepspeed there)"
+    fi
+}
+
 # run_main MAIN_PY OUTPUT FLAG...: `deepspeed --num_gpus N --master_port P [--hostfile H --num_nodes M]
 # LAUNCHER_ARGS MAIN_PY FLAG... EXTRA_ARGS` (EXTRA_ARGS last, so its flags win), after resolve_world.  The
 # output goes to the terminal and LOG_FILE (default OUTPUT/training.log); with `set -o pipefail` in the
@@ -264,9 +308,10 @@ dpo_flags() {
 # 2.1 s) and add nothing, as main.py fills in the rank variables itself (marlhf.utils.dist.init_distributed;
 # MASTER_PORT is passed on when set).  LAUNCHER=deepspeed always uses the runner.
 run_main() {
-    local main=$1 out_dir=$2
+    local main=$1 out_dir=$2 runner
     shift 2
-    local -a launch=(deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}")
+    runner=$(deepspeed_launcher) || exit 2
+    local -a launch=("$runner" --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}")
     if [[ -n "$HOSTFILE" ]]; then launch+=(--hostfile "$HOSTFILE" --num_nodes "$NUM_NODES"); fi
     local -a launcher_extra extra
     read -r -a launcher_extra <<< "${LAUNCHER_ARGS:-}"
