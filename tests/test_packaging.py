@@ -65,3 +65,27 @@ def test_the_check_catches_an_undeclared_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(f"import {undeclared[0]}\nimport json\nfrom marlhf import config\n")
     assert top_level_imports(probe) - LOCAL - set(sys.stdlib_module_names) == {undeclared[0]}
+
+
+def test_built_wheel_and_sdist_carry_the_task_registry(tmp_path):
+    """A wheel once lacked the task registry (read from applications/ above the package): installed elsewhere,
+    every run stopped at 'No such file or directory: .../site-packages/applications'.  The sdist, and the wheel
+    built from it (python -m build's own order), must hold every file the registry reads."""
+    import subprocess
+    import tarfile
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(REPO)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    registry = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "marlhf/applications").rglob("*") if p.is_file()
+                      and "__pycache__" not in p.parts)
+    assert "marlhf/applications/synthetic/task.json" in registry and len(registry) >= 11
+    (wheel,) = tmp_path.glob("marlhf-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert set(registry) <= names, sorted(set(registry) - names)
+    assert not {n for n in names if n.startswith("applications/")}  # no top-level folder beside the package
+    (sdist,) = tmp_path.glob("marlhf-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert set(registry) <= in_sdist, sorted(set(registry) - in_sdist)
