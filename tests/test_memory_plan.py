@@ -245,3 +245,34 @@ def test_docs_memory_table_is_current_and_every_launch_script_fits():
     rows = [r for r in (root / "docs" / "gpu.md").read_text().splitlines() if r.startswith("| `step")]
     assert len(rows) == 20  # 6 + 4 + 4 + 6 scripts of steps 1, 2, DPO and 3
     assert all(r.endswith("| yes |") for r in rows), [r for r in rows if not r.endswith("| yes |")]
+
+
+def test_a_step_refuses_before_any_weight_loads(embedded, tmp_path, monkeypatch):
+    from marlhf.cli import sft
+    from marlhf.models import loading
+
+    def refuse(*a, **k):
+        raise AssertionError("weights loaded before the memory check")
+
+    monkeypatch.setattr(loading, "load_causal_lm", refuse)
+    with pytest.raises(ConfigError, match=r"and the device has 1.0 GiB \(2.0 GiB kept free\); no flag change"):
+        sft.main(["--plan_device_memory_gb", "1", "--output_dir", str(tmp_path / "out")])
+    log = (tmp_path / "out" / "train.log").read_text()  # the plan is in the run's log
+    assert "memory plan, step sft" in log and "device: 1.0 GiB per GPU, 2.0 GiB kept free: DOES NOT FIT" in log
+    # warn: the same plan, logged, and the run goes on to load its model (here: the stand-in that stops it)
+    with pytest.raises(AssertionError, match="weights loaded before the memory check"):
+        sft.main(["--plan_device_memory_gb", "1", "--memory_check", "warn", "--output_dir", str(tmp_path / "out2")])
+
+
+def test_eval_policy_plan_only(llama3_8b, capsys):
+    from marlhf.cli import eval_policy
+
+    code = eval_policy.main(["--actor_model_name_or_path", llama3_8b, "--ref_model_name_or_path", llama3_8b,
+                             "--reward_model_name_or_path", llama3_8b, "--dtype", "bf16", "--plan_only",
+                             "--output_dir", "/tmp/unused"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[2:5]}
+    # frozen at ZeRO-0 in bf16: 2 bytes per parameter; the reward model has a 1-wide score head for the LM head
+    assert mp.gib(2 * 8_030_261_248) in lines["policy"] and mp.gib(2 * 8_030_261_248) in lines["reference"]
+    assert mp.gib(2 * (8_030_261_248 - 128256 * 4096 + 4096)) in lines["reward"]

@@ -28,15 +28,21 @@ from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
 from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
+from marlhf.utils.memory_plan import check_memory, plan_only
 
 
 @entry_point
 def main(argv=None):
     args, _ = parse_args(PolicyEvalArgs, argv)
+    if args.plan_only:  # the memory plan from the models' configs alone (a folder with only config.json too)
+        given = args.actor_model_name_or_path
+        bare = bool(given) and (Path(given) / "config.json").is_file() and not (Path(given) / "actor").is_dir()
+        return plan_only("eval", args, given if bare else policy_folder(given, "actor"))
     # 1. the policy (a step-3 output folder: its actor/), its tokenizer and format, and step 3's held-out prompts
     run = start(args, "actor_model_name_or_path", padding_side="left",
                 model=policy_folder(args.actor_model_name_or_path, "actor"))
     tokenizer, fmt = run.tokenizer, run.fmt
+    check_memory("eval", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
     rm_path = args.reward_model_name_or_path or args.critic_model_name_or_path
     check_same_format(fmt, rm_path, args.ref_model_name_or_path, *args.reward_ensemble)
     data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=3)

@@ -293,6 +293,23 @@ def plan_rlhf(shapes: dict, *, world_size: int, dtype: str, actor_zero_stage: in
     return Plan("ppo", world_size, tuple(models), transient)
 
 
+def plan_eval(shapes: dict, *, world_size: int, dtype: str, zero_stage: int, offload: bool, generation_rows: int,
+              prompt_len: int, answer_len: int) -> Plan:
+    """``marlhf eval-policy``: the policy, reference and reward model (those in ``shapes``) frozen as step 3's
+    reference is (``zero_stage``: --actor_zero_stage; ``offload``: --offload_reference_model), and generation."""
+    roles = {"policy": "policy", "reference": "reference", "reward": "reward model"}
+    stage = 3 if offload else zero_stage
+    models = [_model_line(label, shapes[key], trained=False, zero_stage=stage, world_size=world_size, dtype=dtype,
+                          offload=offload) for key, label in roles.items() if key in shapes]
+    seq = prompt_len + answer_len
+    policy = shapes["policy"]
+    transient = {f"KV cache ({generation_rows} x {seq} tokens)": kv_cache_bytes(policy, rows=generation_rows,
+                                                                                seq_len=seq, dtype=dtype),
+                 f"answer logits ({generation_rows} x {answer_len})":
+                     generation_rows * answer_len * policy.vocab * _DTYPE_BYTES[dtype]}
+    return Plan("eval", world_size, tuple(models), transient)
+
+
 # --------------------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------------------
@@ -374,6 +391,13 @@ def step_shapes(step: str, args, model: str) -> dict:
         return shapes
     if step == "rm":
         return {"policy": shape(model, True, args.lora_dim, args.lora_module_name)}
+    if step == "eval":
+        shapes = {"policy": shape(model)}
+        if args.ref_model_name_or_path:
+            shapes["reference"] = shape(args.ref_model_name_or_path)
+        if args.reward_model_name_or_path or args.critic_model_name_or_path:
+            shapes["reward"] = shape(args.reward_model_name_or_path or args.critic_model_name_or_path, True)
+        return shapes
     from marlhf.embedded import default_model
     from marlhf.rlhf.advantages import estimator_class
     from marlhf.rlhf.rlhf_engine import model_paths
@@ -394,6 +418,12 @@ def step_shapes(step: str, args, model: str) -> dict:
 
 def plan_step(step: str, args, shapes: dict, world_size: int, attn: str = "sdpa") -> Plan:
     """The step's :class:`Plan` at its flags (``args``: the step's config dataclass)."""
+    if step == "eval":
+        return plan_eval(shapes, world_size=world_size, dtype=args.dtype, zero_stage=args.actor_zero_stage,
+                         offload=args.offload_reference_model,
+                         generation_rows=(args.per_device_eval_generation_batch_size
+                                          or args.per_device_generation_batch_size) * args.num_samples_per_prompt,
+                         prompt_len=args.max_prompt_seq_len, answer_len=args.max_answer_seq_len)
     if step == "ppo":
         return plan_rlhf(shapes, world_size=world_size, dtype=args.dtype, actor_zero_stage=args.actor_zero_stage,
                          critic_zero_stage=args.critic_zero_stage, offload=args.offload,
@@ -415,6 +445,15 @@ def _remedies(step: str, args) -> list[tuple[str, dict]]:
     out = []
     if args.dtype == "fp32":
         out.append(("--dtype bf16", {"dtype": "bf16", "bf16": False}))
+    if step == "eval":
+        if args.actor_zero_stage != 3:
+            out.append(("--actor_zero_stage 3", {"actor_zero_stage": 3}))
+        if not args.offload_reference_model:
+            out.append(("--offload_reference_model", {"offload_reference_model": True}))
+        flag = "per_device_eval_generation_batch_size"
+        if (getattr(args, flag) or args.per_device_generation_batch_size) > 1:
+            out.append((f"--{flag} 1", {flag: 1}))
+        return out
     if step == "ppo":
         ckpt = {f: True for f in ("actor_gradient_checkpointing", "critic_gradient_checkpointing")
                 if not getattr(args, f)}
