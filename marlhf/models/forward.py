@@ -92,17 +92,42 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     one column for all rows (left-padded prompts).  ``prefix_width``: a pair batch's shared columns, run
     once per group of ``prefix_index`` (:func:`pair_hidden_states`)."""
     inner = _unwrap(model)
-    base = getattr(inner, inner.base_model_prefix)
-    hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width, prefix_index)
-    values = inner.score(hidden).squeeze(-1).float()  # (B, T); the head computes in float32 (Fp32Linear)
-    term = getattr(inner, "likelihood", None)
-    if term is None:
-        return values
-    if response_start is None:
-        raise ValueError("this reward model has a likelihood term: scoring needs where each answer starts")
-    if not torch.is_tensor(response_start):
-        response_start = torch.full((input_ids.shape[0],), int(response_start), device=input_ids.device)
-    return values + term(hidden, input_ids, attention_mask, response_start.to(input_ids.device))
+    if getattr(inner, "likelihood", None) is not None:
+        if response_start is None:
+            raise ValueError("this reward model has a likelihood term: scoring needs where each answer starts")
+        if not torch.is_tensor(response_start):
+            response_start = torch.full((input_ids.shape[0],), int(response_start), device=input_ids.device)
+        response_start = response_start.to(input_ids.device)
+
+    def values_of(input_ids, attention_mask, response_start, prefix_index):
+        base = getattr(inner, inner.base_model_prefix)
+        hidden = pair_hidden_states(base, input_ids, attention_mask, prefix_width, prefix_index)
+        values = inner.score(hidden).squeeze(-1).float()  # (B, T); the head computes in float32 (Fp32Linear)
+        term = getattr(inner, "likelihood", None)
+        if term is None:
+            return values
+        return values + term(hidden, input_ids, attention_mask, response_start)
+
+    return through_engine(model, values_of, input_ids, attention_mask, response_start, prefix_index)
+
+
+def through_engine(model: nn.Module, fn, *tensors):
+    """``fn(*tensors)`` — a forward that reads parts of the model (its base, its heads) rather than calling it
+    whole — run as the forward of ``model`` when ``model`` is a DeepSpeed engine, else called directly.
+
+    DeepSpeed's bookkeeping lives in ``engine.forward``: it arms the backward hooks that scale a micro-batch's
+    gradient by 1 / accumulation and tell ZeRO where a micro-step ends.  A forward that bypasses it trains
+    right at ZeRO-0/1/2 but, under ZeRO-3 with gradient accumulation, each micro-batch's gradient overwrote the
+    one before (tests/test_update_invariance.py).  So ``fn`` stands in for the wrapped module's ``forward`` for
+    the one call (an instance attribute shadows the method; the module's ZeRO-3 hooks run as for any call)."""
+    if not (hasattr(model, "module") and isinstance(model.module, nn.Module) and hasattr(model, "optimizer")):
+        return fn(*tensors)
+    module = model.module
+    module.forward = fn
+    try:
+        return model(*tensors)
+    finally:
+        del module.forward
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

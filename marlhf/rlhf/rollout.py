@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -30,6 +31,7 @@ from marlhf.rlhf.advantages import AdvantageBatch, AdvantageEstimator
 from marlhf.rlhf.estimators import groups
 from marlhf.rlhf.ppo_math import token_rewards
 from marlhf.rlhf.sections import RolloutSection
+from marlhf.utils.dist import max_over_ranks
 from marlhf.utils.timing import NO_TIMER
 
 log = logging.getLogger("marlhf")
@@ -162,15 +164,20 @@ def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, 
 
     The states are generated ``chunk`` at a time, longest prefix first, each chunk with the largest budget among
     its states (A − its shortest prefix): late boundaries need few tokens, and a chunk that mixed them with
-    early ones would generate the whole answer budget for every row."""
+    early ones would generate the whole answer budget for every row.
+
+    Each chunk's generation and scoring are collective under ZeRO-3 (the parameters gathered, or fetched per
+    layer), and ranks have different numbers of boundaries: every rank runs as many chunks as the rank with
+    the most, a rank out of states generating and scoring a one-state stand-in whose result it drops."""
     P, A = out.prompt_width, out.seq.shape[1] - out.prompt_width
     B, M = seg.shape[0], int(seg.max().item()) + 1 if seg.numel() and bool((seg >= 0).any()) else 0
     values = torch.zeros((B, M), dtype=torch.float32, device=seg.device)
     states = [(b, k, int((seg[b] == k).nonzero()[0, 0])) for b in range(B) for k in range(int(seg[b].max()) + 1)
               if bool((seg[b] >= 0).any())]
     states.sort(key=lambda state: -state[2])  # stable: equal prefixes keep the (answer, action) order
-    for lo in range(0, len(states), chunk):
-        part = states[lo:lo + chunk]
+    chunks = max_over_ranks(math.ceil(len(states) / chunk))
+    for lo in range(0, chunks * chunk, chunk):
+        part = states[lo:lo + chunk] or [(0, -1, 0)]  # the stand-in: answer 0 from its start, result dropped
         cfg = dataclasses.replace(generation, max_new_tokens=max(A - part[-1][2], 1))
         prompts = [out.seq[b, :P][out.attention_mask[b, :P].bool()].tolist() for b, _, _ in part]
         prefixes = [out.seq[b, P:P + t].tolist() for b, _, t in part]
@@ -196,7 +203,8 @@ def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, 
             scores = scores.clamp(-clip_reward_value, clip_reward_value)
         means = scores.reshape(len(part), K).mean(dim=1)
         for i, (b, k, _) in enumerate(part):
-            values[b, k] = means[i]
+            if k >= 0:
+                values[b, k] = means[i]
     return values, len(states) * K
 
 

@@ -186,6 +186,16 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def max_over_ranks(n: int) -> int:
+    """The largest of every rank's ``n``: how many times to enter a loop whose every pass is collective (ZeRO-3
+    forwards, generation), so that a rank with less work still joins the others' passes."""
+    if world_size() == 1:
+        return n
+    x = torch.tensor([n], dtype=torch.long, device=device())
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return int(x.item())
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
