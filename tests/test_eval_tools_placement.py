@@ -49,3 +49,21 @@ def test_judge_reward_model_on_the_device_in_the_dtype(tmp_path, monkeypatch):
     (model,) = loaded
     p = next(model.parameters())
     assert (p.dtype, p.device.type, model.config._attn_implementation) == (torch.bfloat16, "cpu", "eager")
+
+
+def test_export_writes_the_dtype_asked_and_keeps_the_stored_one_by_default(tmp_path):
+    from safetensors import safe_open
+
+    from marlhf.cli import export
+    from tests.conftest import save_seeded_reward_model
+
+    src = save_seeded_reward_model(tmp_path / "rm")  # a step-2 output folder, stored in float32
+
+    def dtypes(folder):
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            return {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
+
+    assert export.main(["--input", str(src), "--output_dir", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert dtypes(tmp_path / "bf16") == {torch.bfloat16}
+    assert export.main(["--input", str(src), "--output_dir", str(tmp_path / "auto")]) == 0
+    assert dtypes(tmp_path / "auto") == {torch.float32}

@@ -276,3 +276,15 @@ def test_eval_policy_plan_only(llama3_8b, capsys):
     # frozen at ZeRO-0 in bf16: 2 bytes per parameter; the reward model has a 1-wide score head for the LM head
     assert mp.gib(2 * 8_030_261_248) in lines["policy"] and mp.gib(2 * 8_030_261_248) in lines["reference"]
     assert mp.gib(2 * (8_030_261_248 - 128256 * 4096 + 4096)) in lines["reward"]
+
+
+def test_a_model_the_meta_device_cannot_build_runs_unplanned(llama3_8b, monkeypatch, caplog):
+    def fail(*a, **k):
+        raise ValueError("Unrecognized model in the config")
+
+    monkeypatch.setattr(mp, "shape_of", fail)
+    args = sft_args(llama3_8b)
+    assert mp.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=GiB) is None
+    assert "no memory plan: the models could not be built from their configs (Unrecognized model" in caplog.text
+    with pytest.raises(ConfigError, match="no memory plan"):
+        mp.check_memory("sft", sft_args(llama3_8b, "--plan_only"), llama3_8b, world_size=8, device_bytes=GiB)

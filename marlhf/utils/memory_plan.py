@@ -519,7 +519,17 @@ def check_memory(step: str, args, model: str, *, world_size: int | None = None, 
 
     world_size = world_size or planned_world_size(args.plan_world_size)
     device_bytes = device_bytes if device_bytes is not None else device_memory_bytes(args.plan_device_memory_gb)
-    shapes = step_shapes(step, args, model)
+    try:
+        shapes = step_shapes(step, args, model)
+    except (OSError, ValueError, TypeError, RuntimeError, ImportError, AttributeError) as err:
+        if args.plan_only:
+            from marlhf.errors import ConfigError
+
+            raise ConfigError(f"no memory plan: the models could not be built from their configs ({err})") from err
+        # a model transformers cannot build on the meta device (remote code, a config it does not know): the run
+        # goes on unplanned; its load reports what is wrong with the folder
+        log.warning("no memory plan: the models could not be built from their configs (%s)", err)
+        return None
     attn = _attn_of(AutoConfig.from_pretrained(model), args.attn_implementation, args.dtype, step == "rm")
     plan = plan_step(step, args, shapes, world_size, attn)
     if dist.is_main():
