@@ -101,3 +101,31 @@ def check_data(specs: list[str] | tuple[str, ...]) -> None:
                 f"one row file or a directory holding {adapter.local_hint}; the launch scripts and the quick "
                 f"start: DATA_PATH='{adapter.name}:PATH'); or, with it in the Hugging Face cache already, set "
                 f"HF_HUB_OFFLINE=1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m marlhf.preflight FLAG...``: the launch scripts' check before any rank starts.  Reads the models
+    (``--model_name_or_path``, ``--actor_model_name_or_path``, ``--critic_model_name_or_path``) and ``--data_path``
+    out of a step's flags (the others are ignored; the last of a repeated flag counts, as in the step); exit 2 with
+    one line naming what cannot be had."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m marlhf.preflight", add_help=False)
+    flags = ("model_name_or_path", "actor_model_name_or_path", "critic_model_name_or_path")
+    for flag in flags:
+        parser.add_argument(f"--{flag}", default="")
+    parser.add_argument("--data_path", nargs="+", default=[])
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        for flag in flags:
+            check_model(getattr(args, flag), f"--{flag}")
+        check_data(args.data_path)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -52,6 +52,11 @@ exit "${FAKE_DS_EXIT:-0}"
 # the fake python stands in for main.py only: the launch scripts' task lookup runs the real one
 FAKE_PYTHON = """#!/usr/bin/env bash
 if [[ "$1" == -m && "$2" == marlhf.tasks ]]; then exec """ + shlex.quote(sys.executable) + """ "$@"; fi
+# the hub check before the launch: its own test (test_unavailable_model_stops_before_the_launch) runs the real one
+if [[ "$1" == -m && "$2" == marlhf.preflight ]]; then
+    if [[ -n "${REAL_PREFLIGHT:-}" ]]; then exec """ + shlex.quote(sys.executable) + """ "$@"; fi
+    exit 0
+fi
 printf '%s\\0' "$@" > "$FAKE_PY_ARGS"
 printf 'PYTHONPATH=%s\\nMASTER_PORT=%s\\n' "${PYTHONPATH:-}" "${MASTER_PORT:-unset}" > "$FAKE_PY_ARGS.env"
 echo "fake python: $# arguments"
@@ -807,3 +812,20 @@ def test_runner_is_the_one_beside_python(tmp_path):
     assert out.argv[:2] == ["--num_gpus", "2"] and "the wrong deepspeed" not in out.stderr
     assert (tmp_path / "output/tiny_2ranks/step1/training.log").read_text().startswith(
         f"launch: {bin_dir / 'deepspeed'} --num_gpus 2")
+
+
+def test_unavailable_model_stops_before_the_launch(tmp_path):
+    """A model the hub cannot give (here: no network, a name that does not exist) or a missing folder stops the
+    script before `deepspeed` starts any rank, with one message naming it and the local-copy way."""
+    missing = "marlhf-tests/no-such-model-issue-57"
+    env = {"REAL_PREFLIGHT": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    out = run(script(1, "gemma/run_2b.sh"), tmp_path, MODEL_PATH=missing, **env)
+    assert out.returncode == 2 and out.argv is None
+    assert out.stderr.count("cannot be had") == 1 and f"model '{missing}' (--model_name_or_path)" in out.stderr
+    assert "MODEL_PATH=DIR" in out.stderr and "HF_HUB_OFFLINE=1" in out.stderr
+    gone = run(script(3, "tiny/run_tiny.sh"), tmp_path, **env)  # step 1's output not there yet
+    assert gone.returncode == 2 and gone.argv is None
+    assert "model folder './output/tiny/step1' (--actor_model_name_or_path) does not exist" in gone.stderr
+    local = tmp_path / "models/sft"
+    local.mkdir(parents=True)
+    launch_ok(script(2, "tiny/run_tiny.sh"), tmp_path, MODEL_PATH=str(local), **env)  # local: no hub asked

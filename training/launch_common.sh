@@ -354,5 +354,10 @@ run_step() {
              ppo_flags ;;
         *)   die "run_step: no step '$1'" ;;
     esac
+    # a model or dataset that cannot be had (no network, a wrong or gated name, a missing folder) stops here,
+    # once, naming it and how to pass a local copy: not in every rank after the launch (marlhf/preflight.py)
+    local -a extra
+    read -r -a extra <<< "${EXTRA_ARGS:-}"
+    python -m marlhf.preflight "${FLAGS[@]}" "${extra[@]}" || exit 2
     run_main "$TRAINING_DIR/$dir/main.py" "$OUTPUT" "${FLAGS[@]}"
 }
