@@ -229,8 +229,8 @@ def load_options(dtype: str, zero_stage: int, offload: bool, attn_implementation
     """Keyword arguments of the load functions for a model of an engine at ``zero_stage`` in ``dtype``: the
     dtype, under ZeRO-3 construction already partitioned, and the attention (None: the entry point's,
     :func:`attention_implementation`)."""
-    return {"dtype": torch_dtype(dtype), "ds_config": zero3_init_config(zero_stage, offload, dtype),
-            "attn_implementation": attn_implementation}
+    options = {"dtype": torch_dtype(dtype), "ds_config": zero3_init_config(zero_stage, offload, dtype)}
+    return {**options, "attn_implementation": attn_implementation} if attn_implementation else options
 
 
 @contextlib.contextmanager
