@@ -13,6 +13,13 @@ small enough that the whole run takes a few minutes on one GPU:
     hybrid_refused  step 3 with --enable_hybrid_engine on a Llama actor: must stop before loading, naming why
     generate_auto   `marlhf generate --device auto --dtype auto` (must pick cuda and bf16)
 
+and, on --ranks GPUs (default 2; 1 skips them), what one process cannot show:
+
+    rm_bf16_z3_accum2   step 2 at ZeRO-3 with gradient accumulation 2 (the forward through the engine)
+    ppo_bf16_z3_ranks   step 3, actor and critic ZeRO-3, accumulation 2, EMA, a checkpoint, the critic against
+                        Monte-Carlo values: answers of different lengths per rank, parameters gathered once
+    ppo_synced_ranks    the same with --zero3_generation synced (layers fetched per token, ranks in step)
+
     python scripts/gpu_check.py --actor STEP1_DIR --reward STEP2_DIR --out /tmp/gpu_check \\
         --report docs/results/gpu_check.md
 
@@ -48,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--only", nargs="+", help="Run these checks only (names above).")
     p.add_argument("--report", help="Also write the markdown report here.")
     p.add_argument("--allow_cpu", action="store_true", help="Run without a CUDA device (to try the script).")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="GPUs of the multi-rank checks (deepspeed --num_gpus); 1 skips them.")
     return p.parse_args(argv)
 
 
@@ -101,12 +110,39 @@ def plan(args) -> list[dict]:
                                          "--output", str(out / "generate_auto" / "answers.jsonl")],
              expect="ok"),
     ]
+    if args.ranks > 1:  # per rank: generation batch 8, micro-batches of 4, two per optimizer step
+        ranks = ["--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "4",
+                 "--gradient_accumulation_steps", "2"]
+        z3 = [*ranks, "--enable_ema", "--save_steps", "2", "--critic_mc_check", "1"]
+        rm = supervised_flags("rm", out / "rm_bf16_z3_accum2", 20)
+        rm[rm.index("--zero_stage") + 1] = "3"
+        rm[rm.index("--per_device_train_batch_size") + 1] = "8"
+        checks += [
+            dict(name="rm_bf16_z3_accum2", argv=[*rm, "--gradient_accumulation_steps", "2"], expect="ok",
+                 ranks=args.ranks),
+            dict(name="ppo_bf16_z3_ranks", argv=step3_flags(actor, reward, out / "ppo_bf16_z3_ranks", 4, 32, "bf16", 3,
+                                                            z3), expect="ok", ranks=args.ranks),
+            dict(name="ppo_synced_ranks", argv=step3_flags(actor, reward, out / "ppo_synced_ranks", 2, 32, "bf16", 3,
+                                                           [*z3, "--zero3_generation", "synced"]),
+                 expect="ok", ranks=args.ranks),
+        ]
     if args.only:
         unknown = set(args.only) - {c["name"] for c in checks}
         if unknown:
             raise SystemExit(f"gpu_check: no check named {sorted(unknown)}; the checks: {[c['name'] for c in checks]}")
         checks = [c for c in checks if c["name"] in args.only]
     return checks
+
+
+def command(check: dict) -> list[str]:
+    """A check's command line: ``python -m marlhf STEP ...`` on one GPU, the ``deepspeed`` launcher beside this
+    interpreter for a multi-rank check (``--module marlhf.cli.STEP``)."""
+    step, *argv = check["argv"]
+    ranks = check.get("ranks", 1)
+    if ranks == 1:
+        return [sys.executable, "-m", "marlhf", step, *argv]
+    launcher = Path(sys.executable).parent / "deepspeed"
+    return [str(launcher), "--num_gpus", str(ranks), "--module", f"marlhf.cli.{step}", *argv]
 
 
 def numbers(name: str, run_dir: Path) -> dict:
@@ -133,6 +169,10 @@ def numbers(name: str, run_dir: Path) -> dict:
         got["gen_seconds_median"] = statistics.median(r["train/gen_seconds"] for r in train)
         got["last_kl"] = train[-1].get("train/kl")
         got["last_critic_loss"] = train[-1].get("train/critic_loss")
+        if "train/mc_continuations" in train[-1]:  # --critic_mc_check
+            got["mc_continuations"] = train[-1]["train/mc_continuations"]
+            got["critic_mc_corr"] = train[-1].get("train/critic_mc_corr")
+        got["checkpoint"] = (run_dir / "checkpoints" / "latest").exists()
     summary = run_dir / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
@@ -172,6 +212,8 @@ def judge(check: dict, rc: int | None, log: str, got: dict) -> tuple[bool, str]:
             return False, f"{got['skipped_steps_total']:.0f} non-finite steps skipped"
         if "final_gold_score" not in got:
             return False, "no final evaluation"
+        if name.endswith("_ranks") and not (got.get("checkpoint") and got.get("mc_continuations")):
+            return False, "no checkpoint or no Monte-Carlo check of the critic recorded"
     if name == "generate_auto":
         if not got.get("answers"):
             return False, "no answers written"
@@ -226,7 +268,7 @@ def main(argv=None) -> int:
     print("environment:", json.dumps(env), flush=True)
     results = []
     for check in plan(args):
-        cmd = [sys.executable, "-m", "marlhf", *check["argv"]]
+        cmd = command(check)
         log_path = out / f"{check['name']}.log"
         t0 = time.time()
         with open(log_path, "w") as log:

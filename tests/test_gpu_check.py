@@ -26,7 +26,8 @@ def test_every_command_parses_with_its_steps_parser(tmp_path):
     parsers = {"sft": SFTArgs, "rm": RewardArgs, "ppo": RLHFArgs}
     checks = gpu_check.plan(gpu_check.parse_args(["--out", str(tmp_path), "--steps", "7"]))
     assert [c["name"] for c in checks] == ["sft_bf16_z2", "rm_bf16_z2", "ppo_bf16_z2", "ppo_bf16_z3", "ppo_fp16_z2",
-                                           "ppo_offload_ref", "hybrid_refused", "generate_auto"]
+                                           "ppo_offload_ref", "hybrid_refused", "generate_auto", "rm_bf16_z3_accum2",
+                                           "ppo_bf16_z3_ranks", "ppo_synced_ranks"]
     seen = {}
     for c in checks:
         step, argv = c["argv"][0], c["argv"][1:]
@@ -44,6 +45,24 @@ def test_every_command_parses_with_its_steps_parser(tmp_path):
     assert seen["hybrid_refused"].enable_hybrid_engine
     assert seen["ppo_bf16_z2"].critic_model_name_or_path == str(tmp_path / "rm_bf16_z2")
     assert (seen["sft_bf16_z2"].zero_stage, seen["sft_bf16_z2"].dtype, seen["rm_bf16_z2"].max_steps) == (2, "bf16", 60)
+    # the multi-rank checks: what one process cannot show (ZeRO-3 accumulation, ranks generating in step)
+    rm = seen["rm_bf16_z3_accum2"]
+    assert (rm.zero_stage, rm.gradient_accumulation_steps) == (3, 2)
+    for name, mode in (("ppo_bf16_z3_ranks", "gather"), ("ppo_synced_ranks", "synced")):
+        a = seen[name]
+        assert (a.actor_zero_stage, a.critic_zero_stage, a.gradient_accumulation_steps) == (3, 3, 2)
+        assert a.enable_ema and a.critic_mc_check == 1 and a.zero3_generation == mode
+
+
+def test_multi_rank_checks_start_the_launcher_beside_python(tmp_path):
+    import sys
+
+    checks = {c["name"]: c for c in gpu_check.plan(gpu_check.parse_args(["--out", str(tmp_path), "--ranks", "4"]))}
+    cmd = gpu_check.command(checks["ppo_bf16_z3_ranks"])
+    assert cmd[:5] == [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--module", "marlhf.cli.ppo"]
+    assert gpu_check.command(checks["ppo_bf16_z2"])[:4] == [sys.executable, "-m", "marlhf", "ppo"]
+    one = gpu_check.plan(gpu_check.parse_args(["--out", str(tmp_path), "--ranks", "1"]))
+    assert not any(c.get("ranks", 1) > 1 for c in one)
 
 
 def test_only_and_given_models(tmp_path):
