@@ -127,7 +127,7 @@ def model_states(shape: ModelShape, *, trained: bool, zero_stage: int, world_siz
     mixed = dtype in ("bf16", "fp16")
     wbytes = 2 if mixed else 4
     gathered = 4 * shape.largest_layer if zero_stage == 3 else 0
-    total = shape.params + (shape.lora_params if shape.lora_params else 0)
+    total = shape.params + shape.lora_params  # LoRA adds its adapters to the weights
     weights = wbytes * total
     if not trained:
         if zero_stage < 3:
