@@ -76,6 +76,17 @@ def test_the_other_cases_by_hand():
         == 2 * (P + 4_000_000) + 18 * 4_000_000
 
 
+def test_a_trained_model_is_planned_at_the_stage_its_engine_runs():
+    from marlhf.utils.ds_engine import optimizer_zero_stage
+
+    for dtype in ("fp32", "bf16", "fp16"):
+        for stage in range(4):
+            assert mp.engine_stage(stage, dtype) == optimizer_zero_stage(stage, dtype)
+    # bf16 at --zero_stage 0 runs as ZeRO-1: 2 + 2 bytes whole and 16 over the ranks, not 20 whole
+    line = mp._model_line("policy", shape(10 ** 9), trained=True, zero_stage=0, world_size=8, dtype="bf16")
+    assert (line.zero_stage, line.gpu) == (1, 4 * 10 ** 9 + 2 * 10 ** 9)
+
+
 def tiny_llama(**kw):
     cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128)

@@ -219,8 +219,16 @@ class Plan:
         return sum(m.cpu for m in self.models if m.offload != "-")
 
 
+def engine_stage(zero_stage: int, dtype: str) -> int:
+    """The stage a trained model's optimizer runs at: bf16 at --zero_stage 0 runs as ZeRO-1
+    (:func:`marlhf.utils.ds_engine.optimizer_zero_stage`, which logs it; equal in tests/test_memory_plan.py)."""
+    return 1 if zero_stage == 0 and dtype == "bf16" else zero_stage
+
+
 def _model_line(role: str, shape: ModelShape, *, trained: bool, zero_stage: int, world_size: int, dtype: str,
                 offload: bool = False, lora_only: bool = False) -> ModelLine:
+    if trained:
+        zero_stage = engine_stage(zero_stage, dtype)
     gpu, cpu = model_states(shape, trained=trained, zero_stage=zero_stage, world_size=world_size, dtype=dtype,
                             offload=offload, lora_only=lora_only)
     where = "-"
