@@ -86,3 +86,14 @@ def test_every_step_and_eval_tool_takes_the_flag():
     for cls in (SFTArgs, RewardArgs, DPOArgs, RLHFArgs, PolicyEvalArgs):
         ns = build_parser(cls).parse_args(["--attn_implementation", "eager"])
         assert ns.attn_implementation == "eager"
+
+
+def test_a_class_transformers_does_not_map_keeps_its_own_choice():
+    from transformers import PretrainedConfig
+
+    class RemoteConfig(PretrainedConfig):  # what trust_remote_code brings: no class in transformers' tables
+        model_type = "my_remote_lm"
+
+    assert loading.resolve_attn_implementation(RemoteConfig(), "auto") is None
+    assert loading._attn_kwargs(RemoteConfig(), torch.float32, False, "auto") == {}
+    assert loading.resolve_attn_implementation(RemoteConfig(), "eager") == "eager"

@@ -145,12 +145,13 @@ def _flash_attention_usable() -> str | None:
 
 
 def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.dtype = torch.float32,
-                                value_head: bool = False) -> str:
+                                value_head: bool = False) -> str | None:
     """The attention a model of ``cfg`` runs with.  ``auto`` picks per architecture from what its transformers
     class declares: flash_attention_2 where the class supports it, flash-attn is installed, a GPU is present and
     the dtype is 16-bit (its kernels take no fp32); else sdpa where the class supports it; else eager.  Gemma-2
     declares no sdpa (its attention logits are soft-capped, which SDPA cannot do; transformers 5's flash-attention
-    kernels and eager can), so it gets eager on a CPU and flash_attention_2 on a GPU with flash-attn.
+    kernels and eager can), so it gets eager on a CPU and flash_attention_2 on a GPU with flash-attn.  A class
+    transformers does not map (remote code) gets None under auto: transformers' own choice.
     flash_attention_2 requested where it cannot run is a :class:`~marlhf.errors.PlatformError` saying why."""
     requested = requested or _REQUESTED_ATTN.get()
     if requested not in ATTN_IMPLEMENTATIONS:
@@ -170,8 +171,8 @@ def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.
         return requested
     if requested != "auto":
         return requested
-    if cls is None:  # remote code: transformers' own default
-        return "sdpa"
+    if cls is None:  # remote code: its class says what it supports, transformers reads it
+        return None
     if getattr(cls, "_supports_flash_attn", False) and dtype in (torch.bfloat16, torch.float16) \
             and _flash_attention_usable() is None:
         return "flash_attention_2"
@@ -181,8 +182,9 @@ def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.
 def _attn_kwargs(cfg, dtype: torch.dtype, value_head: bool, requested: str | None) -> dict:
     choice = resolve_attn_implementation(cfg, requested, dtype, value_head)
     log.info("attention of %s (%s): %s (--attn_implementation %s)", getattr(cfg, "model_type", "?"),
-             "value model" if value_head else "causal LM", choice, requested or _REQUESTED_ATTN.get())
-    return {"attn_implementation": choice}
+             "value model" if value_head else "causal LM", choice or "transformers' default",
+             requested or _REQUESTED_ATTN.get())
+    return {"attn_implementation": choice} if choice else {}
 
 
 def _config(path: str, dropout: float | None, **extra):

@@ -381,7 +381,8 @@ def planned_world_size(flag: int = 0) -> int:
 def _attn_of(cfg, requested: str, dtype: str, value_head: bool = False) -> str:
     from marlhf.models.loading import resolve_attn_implementation, torch_dtype
 
-    return resolve_attn_implementation(cfg, requested, torch_dtype(dtype), value_head)
+    # a class transformers does not map: its own choice, planned as SDPA (no attention scores kept)
+    return resolve_attn_implementation(cfg, requested, torch_dtype(dtype), value_head) or "sdpa"
 
 
 def step_shapes(step: str, args, model: str) -> dict:
