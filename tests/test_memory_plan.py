@@ -219,8 +219,12 @@ def test_plan_only_on_the_embedded_default_reads_no_weights(embedded, capsys, mo
         raise AssertionError("weights read")
 
     monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr(mu, "safe_open", refuse, raising=False)
+    monkeypatch.setattr(mu, "safe_open", refuse)
     from marlhf.cli import ppo
+    from marlhf.models.loading import load_causal_lm, load_tokenizer
+
+    with pytest.raises(AssertionError, match="weights read"):  # the stand-in does catch a load
+        load_causal_lm(str(embedded.model_dir), load_tokenizer(str(embedded.model_dir)))
 
     code = ppo.main(["--plan_only", "--output_dir", "/tmp/unused"])
     out = capsys.readouterr().out
