@@ -177,7 +177,8 @@ def activation_bytes(shape: ModelShape, *, rows: int, seq_len: int, dtype: str, 
 
 
 def kv_cache_bytes(shape: ModelShape, *, rows: int, seq_len: int, dtype: str) -> int:
-    """Generation's key-value cache: rows × tokens × layers × 2 (key, value) × key-value heads × head dim × bytes."""
+    """Generation's key-value cache: rows × tokens × layers × 2 (key, value) × key-value heads × head dim × bytes
+    (Gemma-2's sliding-window layers keep at most their window, 4096 tokens: the same for every launch script)."""
     return rows * seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * _DTYPE_BYTES[dtype]
 
 
