@@ -76,3 +76,27 @@ def tldr_dataset(out: Path, rows: int = 3000) -> Path:
                        "choice": 0, "worker": "w", "batch": "b", "split": split, "extra": {"confidence": 7}}
                 f.write(json.dumps(row) + "\n")
     return out
+
+
+def apps_dataset(out: Path, rows: int = 400) -> Path:
+    """``rows`` APPS problems (train) and 40 (test) in ``codeparrot/apps``' row format — question, solutions and
+    input_output as JSON strings, starter code, difficulty — from the generated code task (its formulas, tests
+    and reference programs)."""
+    if (out / "train.jsonl").exists():
+        return out
+    from marlhf.data.synthetic_code import SyntheticCodeConfig, generate
+
+    out.mkdir(parents=True, exist_ok=True)
+    records = generate(SyntheticCodeConfig(num_records=rows + 40))
+    for split, part in (("train", records[:rows]), ("test", records[rows:])):
+        with open(out / f"{split}.jsonl", "w") as f:
+            for i, r in enumerate(part):
+                starter = r.meta.get("starter_code") or ""
+                question = r.prompt.split("QUESTION:\n", 1)[1].rsplit("\nUse ", 1)[0]
+                if starter and question.endswith(starter):  # the prompt appends the starter code; the row does not
+                    question = question[:-len(starter)].rstrip("\n")
+                row = {"problem_id": i, "question": question, "difficulty": "introductory",
+                       "solutions": json.dumps([r.chosen]), "url": "", "starter_code": starter,
+                       "input_output": json.dumps(r.meta["input_output"])}
+                f.write(json.dumps(row) + "\n")
+    return out
