@@ -76,7 +76,8 @@ def test_user_errors_exit_with_one_line_and_no_traceback(tmp_path, embedded):
         "identical pair (step 2)": ([str(STEP2), "--data_path", str(data), "--data_split", "0,1,0", *out],
                                     f"{data}: row 6: field 'rejected': identical to 'chosen'"),
         "missing model folder (step 1)": ([str(STEP1), "--model_name_or_path", str(tmp_path / "no_model"), *out],
-                                          f"model folder '{tmp_path / 'no_model'}' does not exist"),
+                                          f"model folder '{tmp_path / 'no_model'}' (--model_name_or_path) does not "
+                                          f"exist"),
         "bad flag combination (step 3)": ([str(STEP3), "--per_device_generation_batch_size", "2",
                                            "--per_device_training_batch_size", "4", *out],
                                           "--per_device_training_batch_size cannot exceed"),
