@@ -156,7 +156,7 @@ class BaseArgs:
                                    "(flash_attention_2 with flash-attn on a GPU in bf16/fp16, else sdpa where the "
                                    "model supports it, else eager: Gemma-2's soft-capped logits), or force one.",
                                    choices=("auto", "sdpa", "flash_attention_2", "eager"))
-    # --- memory plan (marlhf/utils/memory_plan.py, docs/gpu.md) ------------------------------------------
+    # --- memory plan (marlhf/models/memory_plan.py, docs/gpu.md) ------------------------------------------
     memory_check: str = opt("refuse", "The memory plan printed at the start (per-rank model states, activations, "
                             "KV cache, from the model configs): refuse a plan that cannot fit the GPU before "
                             "loading any weight, naming the flags that would fit; warn; or off (no plan).",

@@ -1,4 +1,4 @@
-"""docs/gpu.md's memory table: every launch script's step planned at its own flags (marlhf/utils/memory_plan.py).
+"""docs/gpu.md's memory table: every launch script's step planned at its own flags (marlhf/cli/_memory.py).
 
 Each script under training/step*/training_scripts/{gemma,gemma2,llama3.2,codegemma} runs with a fake ``deepspeed``
 first on PATH that records its command line (no training); the step's own parser reads the flags; the model
@@ -74,15 +74,16 @@ def plan_row(step: str, args, config: str, world: int):
     """(flags in short, plan) of ``args`` with every model path replaced by ``config``'s folder."""
     from transformers import AutoConfig
 
-    from marlhf.utils import memory_plan as mp
+    from marlhf.cli import _memory as step_plan
+    from marlhf.models import memory_plan as mp
 
     folder = str(CONFIGS / config)
     # the model each step starts from, and step 3's critic (the README's $OUT/rm), are the architecture's
     given = ("actor_model_name_or_path", "critic_model_name_or_path") if step == "ppo" else ("model_name_or_path",)
     args = dataclasses.replace(args, **{f: folder for f in MODEL_FLAGS if getattr(args, f, "") or f in given})
-    shapes = mp.step_shapes(step, args, folder)
+    shapes = step_plan.step_shapes(step, args, folder)
     attn = mp._attn_of(AutoConfig.from_pretrained(folder), args.attn_implementation, args.dtype, step == "rm")
-    plan = mp.plan_step(step, args, shapes, world, attn)
+    plan = step_plan.plan_step(step, args, shapes, world, attn)
     return describe(step, args, attn), plan
 
 
@@ -101,7 +102,7 @@ def describe(step: str, args, attn: str) -> str:
 
 
 def table() -> str:
-    from marlhf.utils import memory_plan as mp
+    from marlhf.models import memory_plan as mp
 
     device = GPU_GIB * mp.GiB
     lines = ["| launch script | step | model | flags (per-device batch x tokens) | model states | largest transient "

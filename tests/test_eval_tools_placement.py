@@ -3,8 +3,7 @@ with --attn_implementation before the engines put them on the accelerator, and `
 on --device in --dtype."""
 
 import torch
-
-from tests.conftest import save_seeded_reward_model
+from conftest import save_seeded_reward_model
 
 
 def test_eval_policy_loads_every_model_in_the_runs_dtype(embedded, tmp_path, monkeypatch):
@@ -52,10 +51,10 @@ def test_judge_reward_model_on_the_device_in_the_dtype(tmp_path, monkeypatch):
 
 
 def test_export_writes_the_dtype_asked_and_keeps_the_stored_one_by_default(tmp_path):
+    from conftest import save_seeded_reward_model
     from safetensors import safe_open
 
     from marlhf.cli import export
-    from tests.conftest import save_seeded_reward_model
 
     src = save_seeded_reward_model(tmp_path / "rm")  # a step-2 output folder, stored in float32
 

@@ -1,6 +1,6 @@
-"""The memory plan (marlhf/utils/memory_plan.py): model states equal DeepSpeed's own estimators to the byte,
-parameter counts equal DeepSpeed's count of a real model, the KV cache equals the hand formula and a real cache,
-and a plan that cannot fit is refused naming the flags that fit."""
+"""The memory plan (marlhf/models/memory_plan.py; a step's, marlhf/cli/_memory.py): model states equal
+DeepSpeed's own estimators to the byte, parameter counts equal DeepSpeed's count of a real model, the KV cache
+equals the hand formula and a real cache, and a plan that cannot fit is refused naming the flags that fit."""
 
 import json
 
@@ -11,8 +11,9 @@ from deepspeed.runtime.zero.stage3 import model_to_params as ds_model_to_params
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from marlhf.cli import _memory as step_plan
 from marlhf.errors import ConfigError
-from marlhf.utils import memory_plan as mp
+from marlhf.models import memory_plan as mp
 
 GiB = 2 ** 30
 # Meta-Llama-3-8B's config.json (public values); its parameter count is 8,030,261,248
@@ -163,7 +164,7 @@ def sft_args(model, *flags):
 
 
 def test_llama3_8b_from_a_config_only_folder(llama3_8b):
-    shapes = mp.step_shapes("sft", sft_args(llama3_8b), llama3_8b)
+    shapes = step_plan.step_shapes("sft", sft_args(llama3_8b), llama3_8b)
     assert shapes["policy"].params == 8_030_261_248
     assert shapes["policy"].largest_layer == 128256 * 4096  # the embedding (and the untied head)
 
@@ -173,15 +174,15 @@ def test_refused_naming_the_flags_that_fit(llama3_8b):
     # not fit (20 bytes at ZeRO-0); ZeRO-3 does (16·P/8 + 4·largest = 17.9 GiB, plus activations)
     args = sft_args(llama3_8b, "--per_device_train_batch_size", "1", "--max_seq_len", "512")
     with pytest.raises(ConfigError) as err:
-        mp.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=40 * GiB)
+        step_plan.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=40 * GiB)
     text = str(err.value)
     assert "per GPU (8 ranks) and the device has 40.0 GiB" in text
     assert "--zero_stage 3 (" in text and "--offload --zero_stage 3 (" in text
     assert "--dtype bf16" not in text
-    plan = mp.plan_step("sft", args, mp.step_shapes("sft", args, llama3_8b), 8)
+    plan = step_plan.plan_step("sft", args, step_plan.step_shapes("sft", args, llama3_8b), 8)
     assert plan.model_state_bytes == 16 * 8_030_261_248
     # warn: the same plan runs, the message logged
-    assert mp.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=40 * GiB, mode="warn").peak \
+    assert step_plan.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=40 * GiB, mode="warn").peak \
         == plan.peak
 
 
@@ -192,9 +193,9 @@ def test_flags_combined_and_nothing_fits(llama3_8b):
     # 16 bytes × 8.03 B of model states and 8 × 512 tokens of fp32 activations
     with pytest.raises(ConfigError, match=r"needs 153.6 GiB per GPU \(1 rank\).* it fits with --dtype bf16 "
                                           r"--gradient_checkpointing --zero_stage 3 --offload \(4.4 GiB\)"):
-        mp.check_memory("sft", args, llama3_8b, world_size=1, device_bytes=8 * GiB)
+        step_plan.check_memory("sft", args, llama3_8b, world_size=1, device_bytes=8 * GiB)
     with pytest.raises(ConfigError, match="no flag change makes it fit: use more GPUs"):
-        mp.check_memory("sft", args, llama3_8b, world_size=1, device_bytes=3 * GiB)
+        step_plan.check_memory("sft", args, llama3_8b, world_size=1, device_bytes=3 * GiB)
 
 
 def test_plan_only_from_a_config_only_folder(llama3_8b, capsys):
@@ -297,9 +298,9 @@ def test_a_model_the_meta_device_cannot_build_runs_unplanned(llama3_8b, monkeypa
     def fail(*a, **k):
         raise ValueError("Unrecognized model in the config")
 
-    monkeypatch.setattr(mp, "shape_of", fail)
+    monkeypatch.setattr(step_plan, "shape_of", fail)  # as the step reads it
     args = sft_args(llama3_8b)
-    assert mp.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=GiB) is None
+    assert step_plan.check_memory("sft", args, llama3_8b, world_size=8, device_bytes=GiB) is None
     assert "no memory plan: the models could not be built from their configs (Unrecognized model" in caplog.text
     with pytest.raises(ConfigError, match="no memory plan"):
-        mp.check_memory("sft", sft_args(llama3_8b, "--plan_only"), llama3_8b, world_size=8, device_bytes=GiB)
+        step_plan.check_memory("sft", sft_args(llama3_8b, "--plan_only"), llama3_8b, world_size=8, device_bytes=GiB)

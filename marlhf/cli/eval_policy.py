@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from marlhf.cli._memory import check_memory, plan_only
 from marlhf.cli._run import entry_point, reward_source, start
 from marlhf.config import PolicyEvalArgs, parse_args
 from marlhf.data.formatting import check_same_format
@@ -28,7 +29,6 @@ from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
 from marlhf.rlhf.sections import EvalSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
-from marlhf.utils.memory_plan import check_memory, plan_only
 
 
 @entry_point

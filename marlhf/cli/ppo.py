@@ -25,6 +25,7 @@ from marlhf.errors import run_cli
 def main(argv=None):
     args, _ = parse_args(RLHFArgs, argv)
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
+    from marlhf.cli._memory import check_memory, plan_only
     from marlhf.data.formatting import check_same_format
     from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
     from marlhf.embedded import default_model
@@ -37,7 +38,6 @@ def main(argv=None):
     from marlhf.utils import dist
     from marlhf.utils.checkpoint import resumed_record
     from marlhf.utils.machine import machine_info
-    from marlhf.utils.memory_plan import check_memory, plan_only
     from marlhf.utils.run import record_run_context
 
     if args.plan_only:  # the memory plan from the models' configs alone

@@ -16,6 +16,7 @@ from marlhf.errors import run_cli
 def main(argv=None):
     args, _ = parse_args(SFTArgs, argv)
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
+    from marlhf.cli._memory import check_memory, plan_only
     from marlhf.data.pipeline import DataSection, build_phase_data
     from marlhf.embedded import default_model
     from marlhf.loop import LoopSection
@@ -24,7 +25,6 @@ def main(argv=None):
     from marlhf.models.lora import apply_lora
     from marlhf.supervised import SupervisedSection, sft_objective, train
     from marlhf.utils.ds_engine import with_learning_rate
-    from marlhf.utils.memory_plan import check_memory, plan_only
     from marlhf.utils.run import record_run_context
 
     if args.plan_only:  # the memory plan from the model's config alone
