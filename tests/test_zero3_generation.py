@@ -16,22 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from rank_harness import run_ranks
+from test_generation import PAD, PROMPTS, left_padded
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[5, 17, 42, 99, 7], [300, 12], [8, 8, 64, 250, 31, 77, 120]]
-PAD = 0
 MAX_NEW = 10
-
-
-def _left_padded(rows):
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), PAD)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, T - len(r):] = torch.tensor(r)
-        mask[i, T - len(r):] = 1
-    return ids, mask
 
 
 def _zero3_engine(folder: str):
@@ -84,7 +73,7 @@ def _body(rank: int, folder: str, mode: str) -> dict:
 
     from marlhf.generation import GenerationConfig, sample
 
-    ids, mask = _left_padded(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     vocab = AutoModelForCausalLM.from_pretrained(folder).config.vocab_size
     # rank 0 stops at any token (every answer ends after one), rank 1 at none it can produce (runs to the cap)
     stops = tuple(range(vocab)) if rank == 0 else (vocab + 7,)
