@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from marlhf.models.forward import is_engine
 from marlhf.utils import dist
 from marlhf.utils.rng import isolated_rng
 
@@ -95,10 +96,6 @@ def answer_mask(answer: torch.Tensor, stop_ids) -> tuple[torch.Tensor, torch.Ten
     return k[None, :] <= first[:, None], ended
 
 
-def _is_engine(policy) -> bool:
-    return hasattr(policy, "module") and isinstance(policy.module, torch.nn.Module) and hasattr(policy, "optimizer")
-
-
 def _zero_stage(policy) -> int:
     fn = getattr(policy, "zero_optimization_stage", None)
     return int(fn()) if callable(fn) else 0
@@ -158,7 +155,7 @@ def sample(policy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: Gen
         raise ValueError(f"zero3_generation must be 'gather' or 'synced', got {zero3_generation!r}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
-    engine = _is_engine(policy)
+    engine = is_engine(policy)
     hybrid = engine and _is_hybrid(policy)
     module = policy if hybrid or not engine else policy.module
     zero3 = engine and not hybrid and _zero_stage(policy) == 3

@@ -111,6 +111,11 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     return through_engine(model, values_of, input_ids, attention_mask, response_start, prefix_index)
 
 
+def is_engine(model) -> bool:
+    """A DeepSpeed engine (training or frozen): it wraps the model as ``.module`` and has an ``optimizer`` slot."""
+    return hasattr(model, "module") and isinstance(model.module, nn.Module) and hasattr(model, "optimizer")
+
+
 def through_engine(model: nn.Module, fn, *tensors):
     """``fn(*tensors)`` — a forward that reads parts of the model (its base, its heads) rather than calling it
     whole — run as the forward of ``model`` when ``model`` is a DeepSpeed engine, else called directly.
@@ -120,7 +125,7 @@ def through_engine(model: nn.Module, fn, *tensors):
     right at ZeRO-0/1/2 but, under ZeRO-3 with gradient accumulation, each micro-batch's gradient overwrote the
     one before (tests/test_update_invariance.py).  So ``fn`` stands in for the wrapped module's ``forward`` for
     the one call (an instance attribute shadows the method; the module's ZeRO-3 hooks run as for any call)."""
-    if not (hasattr(model, "module") and isinstance(model.module, nn.Module) and hasattr(model, "optimizer")):
+    if not is_engine(model):
         return fn(*tensors)
     module = model.module
     module.forward = fn
