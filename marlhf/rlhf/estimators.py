@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from marlhf.rlhf.macro import check_choice, check_mask
+from marlhf.rlhf.sections import KL_PENALTIES, kl_in_reward  # noqa: F401  (KL_PENALTIES: the flag's choices)
 
-KL_PENALTIES = ("reward", "loss")
 GRPO_NORMALIZATIONS = ("std", "none")
 
 
@@ -125,14 +125,14 @@ def sequence_returns(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs:
                      kl_penalty: str = "reward") -> torch.Tensor:
     """R_i = clip(score_i, ±c) − β Σ_{t real} (log π − log π_ref) (``kl_penalty="reward"``: the sum of step 3's
     per-token rewards over the response), or clip(score_i, ±c) (``"loss"``: the KL is a loss term). (N,)."""
-    check_choice("kl_penalty", kl_penalty, KL_PENALTIES)
+    in_reward = kl_in_reward(kl_penalty)
     m = check_mask(mask)  # (N, T)
     s = _float(scores).reshape(-1)
     if s.shape[0] != m.shape[0]:
         raise ValueError(f"scores: expected shape ({m.shape[0]},), got {tuple(scores.shape)}")
     if clip_reward_value is not None:
         s = s.clamp(-clip_reward_value, clip_reward_value)
-    if kl_penalty == "loss":
+    if not in_reward:
         return s
     kl = torch.where(m, _float(logprobs) - _float(ref_logprobs), 0.0).sum(dim=1)  # (N,)
     return s - kl_ctl * kl.to(s.dtype)

@@ -27,6 +27,19 @@ def logprob_temperature(choice: str, temperature: float) -> float:
     raise ValueError(f"--logprob_temperature must be '1' or 'sampling', got {choice!r}")
 
 
+KL_PENALTIES = ("reward", "loss")
+
+
+def kl_in_reward(kl_penalty: str) -> bool:
+    """Where the β = ``--kl_ctl`` KL to the reference goes, decided here and nowhere else (``--kl_penalty``):
+    True, per token in the reward, −β(log π − log π_ref) (step 3's reward shaping, DeepSpeed-Chat and the
+    RLOO paper; so also in a critic-free return R_i); False, as GRPO's k3 term in the policy loss.  Every
+    reader asks it: which forwards a rollout needs, the rewards, R_i and the update's loss."""
+    if kl_penalty not in KL_PENALTIES:
+        raise ValueError(f"kl_penalty={kl_penalty!r} is not valid; choose one of {', '.join(KL_PENALTIES)}")
+    return kl_penalty == "reward"
+
+
 def needed_forwards(*, kl_ctl: float, kl_penalty: str, ppo_epochs: int, actor_micro_steps: int,
                     gradient_accumulation_steps: int, rule_inputs: frozenset[str]) -> tuple[bool, bool]:
     """(policy forward, reference forward) a rollout must run; skipping one changes no number.
@@ -38,9 +51,9 @@ def needed_forwards(*, kl_ctl: float, kl_penalty: str, ppo_epochs: int, actor_mi
     detached (the ratio is 1, its gradient A·∇log π; TRL's num_iterations = 1) — and nothing else reads π_old at
     rollout time: no KL in the reward, no rule on the policy's probabilities."""
     reference = kl_ctl != 0 or "ref_logprobs" in rule_inputs
-    reward_kl = kl_ctl if kl_penalty == "reward" else 0.0
+    reward_kl = kl_ctl != 0 and kl_in_reward(kl_penalty)
     one_update = ppo_epochs == 1 and actor_micro_steps == gradient_accumulation_steps
-    policy = not (one_update and reward_kl == 0 and "logprobs" not in rule_inputs)
+    policy = not (one_update and not reward_kl and "logprobs" not in rule_inputs)
     return policy, reference
 
 
@@ -117,7 +130,7 @@ class RolloutSection:
     @property
     def reward_kl_ctl(self) -> float:
         """β of the per-token KL penalty in the reward: 0 when the KL is a loss term instead."""
-        return self.kl_ctl if self.kl_penalty == "reward" else 0.0
+        return self.kl_ctl if kl_in_reward(self.kl_penalty) else 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,11 @@ class UpdateSection:
                    cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
                    kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl,
                    logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The policy loss gains β · the k3 KL (``--kl_penalty loss``; :func:`kl_in_reward` decides)."""
+        return not kl_in_reward(self.kl_penalty)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
             old = mb.logprobs if mb.logprobs is not None else logprobs.detach()
             pl, pstats = policy_loss(logprobs, old, mb.advantages, mb.mask, s.cliprange, seg=mb.seg,
                                      ratio=s.policy_ratio)
-            if s.kl_penalty == "loss" and mb.ref_logprobs is not None:  # GRPO's KL term (none when β = 0)
+            if s.kl_in_loss and mb.ref_logprobs is not None:  # GRPO's KL term (none when β = 0)
                 kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
                 pstats["kl_loss"] = kl.detach()
                 pl = pl + s.kl_ctl * kl
