@@ -556,16 +556,17 @@ class RLHFArgs(BaseArgs):
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""
 
         defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
-        from marlhf.rlhf.advantages import check_estimator_options  # torch: imported to validate, not for --help
+        # torch: imported to validate, not for --help
+        from marlhf.rlhf.advantages import EstimatorOptions, check_estimator_options
 
-        check_estimator_options(
+        check_estimator_options(EstimatorOptions(
             estimator=self.advantage_estimator, num_samples_per_prompt=self.num_samples_per_prompt,
             kl_penalty=self.kl_penalty, grpo_normalization=self.grpo_normalization, policy_ratio=self.policy_ratio,
             termination_changed=(self.termination_condition != defaults["termination_condition"]
                                  or self.ngram_n != RLHFArgs(ngram=defaults["ngram"]).ngram_n),
             value_function=self.value_function, macro_reward=self.macro_reward, gamma=self.gamma,
             lam_changed=(self.lam != defaults["lam"] or self.lam_critic is not None or self.adaptive_lam_alpha != 0),
-            whiten_advantages=self.whiten_advantages)
+            whiten_advantages=self.whiten_advantages))
 
     @property
     def ngram_n(self) -> int | None:

@@ -77,7 +77,7 @@ class RawReturn(SequenceEstimator):
 
 def test_a_new_rule_and_estimator_are_one_file_each(package_folder):
     from marlhf.models.loading import load_tokenizer
-    from marlhf.rlhf.advantages import AdvantageBatch, check_estimator_options
+    from marlhf.rlhf.advantages import AdvantageBatch, EstimatorOptions, check_estimator_options
     from marlhf.rlhf.segmentation import MacroSegmenter
 
     (package_folder[termination] / "toy_every_third.py").write_text(TOY_RULE)
@@ -86,10 +86,10 @@ def test_a_new_rule_and_estimator_are_one_file_each(package_folder):
     # the flags take them (their choices are the packages' modules)
     args, _ = parse_args(RLHFArgs, ["--termination_condition", "toy_every_third", "--advantage_estimator",
                                  "toy_raw_return", "--policy_ratio", "macro"])
-    check_estimator_options(estimator="toy_raw_return", num_samples_per_prompt=1, kl_penalty="reward",
-                            grpo_normalization="std", policy_ratio="macro", termination_changed=True,
-                            value_function="equal", macro_reward="sum", gamma=1.0, lam_changed=False,
-                            whiten_advantages=False)
+    check_estimator_options(EstimatorOptions(estimator="toy_raw_return", num_samples_per_prompt=1,
+                                             kl_penalty="reward", grpo_normalization="std", policy_ratio="macro",
+                                             termination_changed=True, value_function="equal", macro_reward="sum",
+                                             gamma=1.0, lam_changed=False, whiten_advantages=False))
     # the rule: built from its section like the others, segments every 3 tokens
     mask = torch.tensor([[1] * 7 + [0], [1] * 8, [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
     seg_fn = MacroSegmenter(MacroSection.from_args(args, "text"), load_tokenizer(default_model("")), seed=0)

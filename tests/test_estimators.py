@@ -11,7 +11,7 @@ import torch
 from maths_helpers import critic_free_advantages, segments_for_rule
 
 from marlhf.errors import ConfigError
-from marlhf.rlhf.advantages import ESTIMATORS, check_estimator_options, estimator_class
+from marlhf.rlhf.advantages import ESTIMATORS, EstimatorOptions, check_estimator_options, estimator_class
 from marlhf.rlhf.estimators import (
     broadcast_to_tokens,
     grpo_advantages,
@@ -262,7 +262,7 @@ GOOD = dict(estimator="rloo", num_samples_per_prompt=4, kl_penalty="reward", grp
 ])
 def test_meaningless_combinations_are_rejected(change, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("|", r"\|")):
-        check_estimator_options(**{**GOOD, **change})
+        check_estimator_options(EstimatorOptions(**{**GOOD, **change}))
 
 
 @pytest.mark.parametrize("change", [
@@ -277,7 +277,7 @@ def test_meaningless_combinations_are_rejected(change, message):
      "gamma": 0.99, "lam_changed": True, "termination_changed": True, "kl_penalty": "loss"},
 ])
 def test_meaningful_combinations_pass(change):
-    check_estimator_options(**{**GOOD, **change})
+    check_estimator_options(EstimatorOptions(**{**GOOD, **change}))
 
 
 def test_only_gae_needs_a_critic():

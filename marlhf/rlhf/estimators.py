@@ -22,8 +22,8 @@ of the response; macro actions compose through the policy ratio (``policy_ratio=
 its clipping are per macro action, :func:`marlhf.rlhf.ppo_math.policy_loss`).
 
 The estimators as run components (registered by name, each told whether it needs a critic) are in
-:mod:`marlhf.rlhf.advantages`, which also decides in one place which combinations with MA-PPO's options mean
-something (:func:`marlhf.rlhf.advantages.check_estimator_options`).
+:mod:`marlhf.rlhf.advantages`, where each also says which combinations with MA-PPO's options mean something
+(:meth:`marlhf.rlhf.advantages.AdvantageEstimator.check`).
 """
 
 from __future__ import annotations

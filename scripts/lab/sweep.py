@@ -78,7 +78,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("n5_sigma_position", "MA-PPO n = 5, σ position", _fixed("5", "--value_function", "position")),
     Variant("n5_ratio_macro", "MA-PPO n = 5, macro ratio", _fixed("5", "--policy_ratio", "macro")),
     # critic-free: the whole answer is one action (no --termination_condition/--ngram: step 3 refuses them
-    # there unless --policy_ratio macro, see marlhf/rlhf/estimators.check_estimator_options)
+    # there unless --policy_ratio macro, see marlhf/rlhf/advantages SequenceEstimator.check)
     Variant("rloo", "RLOO (K = 4)", ("--advantage_estimator", "rloo", *_GROUPS),
             needs=("advantage_estimator", "num_samples_per_prompt"), critic=False),
     Variant("grpo", "GRPO (K = 4)", ("--advantage_estimator", "grpo", *_GROUPS),

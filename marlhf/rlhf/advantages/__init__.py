@@ -11,7 +11,8 @@ is pure tensor functions (:mod:`marlhf.rlhf.ppo_math`, :mod:`marlhf.rlhf.estimat
 references.
 
 Adding an estimator: a new module here with an :class:`AdvantageEstimator` subclass decorated with
-``@register("name")`` (this package imports every module in it), and its test.
+``@register("name")`` (this package imports every module in it), its :meth:`~AdvantageEstimator.check` of the
+options it makes meaningless (the config calls it through :func:`check_estimator_options`), and its test.
 """
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ class AdvantageBatch:
     mc_values: torch.Tensor | None = None  # (B, M) Monte-Carlo V̂ of each macro action's start state (mc_values)
 
 
+@dataclass(frozen=True)
+class EstimatorOptions:
+    """The flags an estimator's :meth:`~AdvantageEstimator.check` judges (``--advantage_estimator`` and MA-PPO's
+    options it may make meaningless); ``*_changed``: the flag differs from its default."""
+
+    estimator: str
+    num_samples_per_prompt: int
+    kl_penalty: str
+    grpo_normalization: str
+    policy_ratio: str
+    termination_changed: bool  # --termination_condition / --ngram
+    value_function: str
+    macro_reward: str
+    gamma: float
+    lam_changed: bool  # --lam / --lam_critic / --adaptive_lam_alpha
+    whiten_advantages: bool
+
+
 class AdvantageEstimator:
     """``estimator(batch)`` → (advantages (B, A), returns (B, A), stats {name: 0-d tensor}).
     ``needs_critic``: the run builds and trains a critic for it; ``min_group``: the samples per prompt
@@ -54,9 +73,30 @@ class AdvantageEstimator:
     min_group: ClassVar[int] = 1
     mc_values: ClassVar[bool] = False  # the rollout samples continuations from each macro boundary for it
     macro_level: ClassVar[bool] = False  # its advantages differ between the macro actions of an answer
+    group_normalization: ClassVar[bool] = False  # it reads --grpo_normalization
 
     def __init__(self, settings: RolloutSection):
         self.settings = settings
+
+    @classmethod
+    def check(cls, o: EstimatorOptions) -> None:
+        """Reject flags that would do nothing or something other than what they say with this estimator
+        (:class:`marlhf.errors.ConfigError` naming them).  Here the ones every estimator shares — the choices,
+        K ≥ :attr:`min_group`, --grpo_normalization for the one that reads it; a subclass adds its own after
+        ``super().check(o)``.  An estimator with a critic (gae) keeps everything MA-PPO offers."""
+        for flag, value, valid in (("kl_penalty", o.kl_penalty, KL_PENALTIES),
+                                   ("grpo_normalization", o.grpo_normalization, GRPO_NORMALIZATIONS)):
+            if value not in valid:
+                raise ConfigError(f"--{flag} {value!r} is not one of {', '.join(valid)}")
+        if o.num_samples_per_prompt < 1:
+            raise ConfigError(f"--num_samples_per_prompt must be >= 1, got {o.num_samples_per_prompt}")
+        if o.num_samples_per_prompt < cls.min_group:
+            raise ConfigError(f"--advantage_estimator {o.estimator} needs --num_samples_per_prompt >= {cls.min_group} "
+                              f"(a sample's baseline comes from the other samples of its prompt), got "
+                              f"{o.num_samples_per_prompt}")
+        if o.grpo_normalization != "std" and not cls.group_normalization:
+            raise ConfigError(f"--grpo_normalization {o.grpo_normalization} only applies to --advantage_estimator "
+                              f"grpo (got {o.estimator})")
 
     def __call__(self, batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:  # pragma: no cover
         raise NotImplementedError
@@ -71,6 +111,30 @@ class SequenceEstimator(AdvantageEstimator):
     def advantages(self, returns: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         """(N,) advantages of the (N,) sequence returns; ``valid`` marks the rows that count."""
         raise NotImplementedError
+
+    @classmethod
+    def check(cls, o: EstimatorOptions) -> None:
+        """No critic and the response is one action: rejected are --value_function other than equal (σ weights
+        critic values), --macro_reward compat (it keeps the RM score out of a σ-average of values), --gamma ≠ 1
+        and --lam (discounting / GAE between steps of a one-step response), and a termination rule or n with
+        --policy_ratio token (segments computed and never used; with --policy_ratio macro the ratio and its
+        clipping are per macro action of any rule, n = ∞ one sequence-level ratio).  KL in the reward (RLOO
+        paper) or as a loss (GRPO paper) are both meaningful."""
+        super().check(o)
+        no_critic = f"--advantage_estimator {o.estimator} has no critic and treats the response as one action"
+        if o.value_function != "equal":
+            raise ConfigError(f"{no_critic}: --value_function {o.value_function} weights critic values inside a "
+                              f"macro action and would do nothing; drop it")
+        if o.macro_reward != "sum":
+            raise ConfigError(f"{no_critic}: --macro_reward {o.macro_reward} keeps the last token apart for a "
+                              f"critic's σ-average and would do nothing; drop it")
+        if o.gamma != 1.0 or o.lam_changed:
+            raise ConfigError(f"{no_critic}: --gamma/--lam/--lam_critic/--adaptive_lam_alpha discount between steps "
+                              f"of a response; its return is the undiscounted sum (use --advantage_estimator gae for "
+                              f"GAE)")
+        if o.policy_ratio == "token" and o.termination_changed:
+            raise ConfigError(f"{no_critic}: --termination_condition/--ngram only enter through the macro-level "
+                              f"ratio; add --policy_ratio macro or drop them")
 
     @torch.no_grad()  # advantages weight the policy loss; never backpropagate into them
     def __call__(self, batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -104,77 +168,16 @@ def build_estimator(settings: RolloutSection) -> AdvantageEstimator:
     return estimator_class(settings.advantage_estimator)(settings)
 
 
-def check_estimator_options(
-    *,
-    estimator: str,
-    num_samples_per_prompt: int,
-    kl_penalty: str,
-    grpo_normalization: str,
-    policy_ratio: str,
-    termination_changed: bool,
-    value_function: str,
-    macro_reward: str,
-    gamma: float,
-    lam_changed: bool,
-    whiten_advantages: bool,
-) -> None:
-    """Reject combinations of ``--advantage_estimator`` with MA-PPO's options that would do nothing or
-    something other than what they say. Raises :class:`marlhf.errors.ConfigError` naming the flags.
-
-    Meaningful:
-      gae        everything MA-PPO offers; K ≥ 1 samples per prompt; KL in the reward or as a loss term.
-      rloo/grpo  K ≥ 2; KL in the reward (RLOO paper) or as a loss (GRPO paper); --policy_ratio token (the
-                 standard methods) or macro: the response's advantage with the ratio and its clipping per
-                 macro action of any termination rule (n = ∞ gives one sequence-level ratio).
-      reinforce  as rloo, with K ≥ 1 (its baseline is the batch mean).
-      mc_macro   any termination rule, γ, --macro_reward, either ratio; no critic values or λ.
-    Rejected for the critic-free estimators (there is no critic and the response is one action):
-      --value_function other than equal (σ weights critic values), --macro_reward compat (it exists to keep
-      the RM score out of a σ-average of values), --gamma ≠ 1 and --lam (discounting/GAE between steps of a
-      response that is one step), a termination rule or n with --policy_ratio token (segments would be
-      computed and never used), --whiten_advantages with grpo (already normalised per group).
-    --grpo_normalization none is only meaningful with grpo.
-    """
-
-    if estimator not in ESTIMATORS and estimator in ESTIMATORS.module_names():  # added since the package's import
-        estimator_class(estimator)
-    for name, value, valid in (("advantage_estimator", estimator, tuple(ESTIMATORS)),
-                               ("kl_penalty", kl_penalty, KL_PENALTIES),
-                               ("grpo_normalization", grpo_normalization, GRPO_NORMALIZATIONS)):
-        if value not in valid:
-            raise ConfigError(f"--{name} {value!r} is not one of {', '.join(valid)}")
-    if num_samples_per_prompt < 1:
-        raise ConfigError(f"--num_samples_per_prompt must be >= 1, got {num_samples_per_prompt}")
-    need = ESTIMATORS[estimator].min_group
-    if num_samples_per_prompt < need:
-        raise ConfigError(f"--advantage_estimator {estimator} needs --num_samples_per_prompt >= {need} (a sample's "
-                          f"baseline comes from the other samples of its prompt), got {num_samples_per_prompt}")
-    if grpo_normalization != "std" and estimator != "grpo":
-        raise ConfigError(f"--grpo_normalization {grpo_normalization} only applies to --advantage_estimator grpo "
-                          f"(got {estimator})")
-    if ESTIMATORS[estimator].needs_critic:  # macro GAE: everything MA-PPO offers
-        return
-    if ESTIMATORS[estimator].macro_level:  # macro advantages without a critic (mc_macro): no critic values, no GAE
-        if value_function != "equal" or lam_changed:
-            raise ConfigError(f"--advantage_estimator {estimator} has no critic and no GAE: --value_function / --lam "
-                              f"/ --lam_critic / --adaptive_lam_alpha would do nothing; drop them")
-        return
-    no_critic = f"--advantage_estimator {estimator} has no critic and treats the response as one action"
-    if value_function != "equal":
-        raise ConfigError(f"{no_critic}: --value_function {value_function} weights critic values inside a macro "
-                          f"action and would do nothing; drop it")
-    if macro_reward != "sum":
-        raise ConfigError(f"{no_critic}: --macro_reward {macro_reward} keeps the last token apart for a critic's "
-                          f"σ-average and would do nothing; drop it")
-    if gamma != 1.0 or lam_changed:
-        raise ConfigError(f"{no_critic}: --gamma/--lam/--lam_critic/--adaptive_lam_alpha discount between steps of a "
-                          f"response; its return is the undiscounted sum (use --advantage_estimator gae for GAE)")
-    if policy_ratio == "token" and termination_changed:
-        raise ConfigError(f"{no_critic}: --termination_condition/--ngram only enter through the macro-level ratio; "
-                          f"add --policy_ratio macro or drop them")
-    if whiten_advantages and estimator == "grpo":
-        raise ConfigError("--whiten_advantages with --advantage_estimator grpo: its advantages are already "
-                          "normalised per group; drop one")
+def check_estimator_options(options: EstimatorOptions) -> None:
+    """Reject combinations of ``--advantage_estimator`` with MA-PPO's options that would do nothing or something
+    other than what they say (:class:`marlhf.errors.ConfigError` naming the flags): the estimator named checks
+    its own (:meth:`AdvantageEstimator.check`)."""
+    name = options.estimator
+    if name not in ESTIMATORS and name in ESTIMATORS.module_names():  # added since the package's import
+        estimator_class(name)
+    if name not in ESTIMATORS:
+        raise ConfigError(f"--advantage_estimator {name!r} is not one of {', '.join(ESTIMATORS)}")
+    ESTIMATORS[name].check(options)
 
 
 ESTIMATORS.discover()  # every estimator module registers itself

@@ -4,7 +4,8 @@ action's start state is the mean score of ``--mc_rollouts`` continuations the ro
 A_k = R_k + γ V̂(s_{k+1}) − V̂(s_k) (V̂ after the last action = 0; R_k the macro reward, the score in the last) —
 GAE with λ = 0 over the Monte-Carlo values."""
 
-from marlhf.rlhf.advantages import AdvantageBatch, AdvantageEstimator, register
+from marlhf.errors import ConfigError
+from marlhf.rlhf.advantages import AdvantageBatch, AdvantageEstimator, EstimatorOptions, register
 from marlhf.rlhf.macro import macro_rewards, to_tokens
 from marlhf.rlhf.ppo_math import gae, whiten
 
@@ -13,6 +14,14 @@ from marlhf.rlhf.ppo_math import gae, whiten
 class MonteCarloMacro(AdvantageEstimator):
     mc_values = True
     macro_level = True
+
+    @classmethod
+    def check(cls, o: EstimatorOptions) -> None:
+        """Any termination rule, γ, --macro_reward and ratio; no critic values (σ) and no GAE (λ)."""
+        super().check(o)
+        if o.value_function != "equal" or o.lam_changed:
+            raise ConfigError(f"--advantage_estimator {o.estimator} has no critic and no GAE: --value_function / "
+                              f"--lam / --lam_critic / --adaptive_lam_alpha would do nothing; drop them")
 
     def __call__(self, batch: AdvantageBatch):
         s = self.settings
