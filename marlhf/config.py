@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from marlhf.errors import ConfigError
-from marlhf.external_rewards import check_function_spec, check_url
 from marlhf.tasks import TaskNames
 
 
@@ -417,7 +416,7 @@ class RLHFArgs(BaseArgs):
                             "last token its own macro action).", choices=("sum", "compat"))
     policy_ratio: str = opt("token", "PPO ratio per token with the macro advantage (released code) or per "
                             "macro action exp(Σ Δlogπ) (paper eq.)", choices=("token", "macro"))
-    reward_source: str = opt("reward_model", "Where the sequence score comes from (marlhf/rewards.py): the reward "
+    reward_source: str = opt("reward_model", "Where the sequence score comes from (marlhf/rewards/): the reward "
                              "model ('rm' is the same); the embedded task's gold scorer; program_tests: each "
                              "answer's program run against its problem's unit tests in a sandbox, reward of paper "
                              "App. B.5; python: your function (--reward_function); remote: your HTTP server "
@@ -533,10 +532,14 @@ class RLHFArgs(BaseArgs):
             if not self.reward_function:
                 raise ConfigError("--reward_source python needs --reward_function FILE.py:NAME or "
                                   "package.module:NAME")
+            from marlhf.rewards.python import check_function_spec
+
             check_function_spec(self.reward_function)
         if self.reward_source == "remote":
             if not self.reward_url:
                 raise ConfigError("--reward_source remote needs --reward_url http(s)://HOST[:PORT]/PATH")
+            from marlhf.rewards.remote import check_url
+
             check_url(self.reward_url)
             if not (self.reward_timeout > 0 and math.isfinite(self.reward_timeout)):
                 raise ConfigError(f"--reward_timeout must be a positive number of seconds, got {self.reward_timeout}")

@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
-from marlhf.data import synthetic
 from marlhf.data.adapters import dataset_name
-from marlhf.eval.judge import VerdictFormat, render_template
 
 # The package's applications/ folder (shipped in the wheel: setup.py package_data); MARLHF_APPLICATIONS points
 # elsewhere (a folder of the user's own tasks).
@@ -41,6 +40,31 @@ LAUNCH_KEYS = ("data_path", "data_split", "max_prompt_seq_len", "max_answer_seq_
 _REQUIRED = ("name", "description", "datasets", "aliases", "prompt_template", "stop", "postprocess", "judge",
              "reward_source", "gold_scorer", "metrics", "response_kind", "launch")
 AUTO, NONE = "auto", "none"  # --task values beside the tasks' names
+
+
+# ------------------------------------------------------------------------- the judge's prompt and verdict
+_PLACEHOLDER = re.compile(r"\{(prompt|response_a|response_b)\}")
+
+
+def render_template(template: str, prompt: str, response_a: str, response_b: str) -> str:
+    """Fill ``{prompt}``, ``{response_a}``, ``{response_b}`` in one pass (braces in the texts stay as they
+    are, and a response containing "{response_b}" is not substituted again)."""
+    missing = {"prompt", "response_a", "response_b"} - set(_PLACEHOLDER.findall(template))
+    if missing:
+        raise ValueError(f"judge template lacks the placeholders {sorted(missing)}")
+    values = {"prompt": prompt, "response_a": response_a, "response_b": response_b}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerdictFormat:
+    """How a task's judge answers: the letters for first / second / tie and, for JSON answers, the key
+    holding the overall choice (F.1: "choice" for HH-RLHF; WebGPT's overall criterion)."""
+
+    first: str = "A"
+    second: str = "B"
+    tie: str = "E"
+    json_key: str = "choice"
 
 
 class TaskError(ValueError):
@@ -81,10 +105,6 @@ class Task:
 
             return extract_code(response)
         return response.strip()
-
-    def gold(self):
-        """The task's gold scorer (:class:`GoldScorer`), or None when it has none."""
-        return GoldScorer() if self.gold_scorer == "synthetic" else None
 
 
 def list_tasks(root: str | Path = APPLICATIONS_DIR) -> list[str]:
@@ -210,38 +230,6 @@ def response_kind(flag: str, task: Task | None, reward_source: str) -> str:
     if task is not None:
         return task.response_kind
     return "code" if reward_source == "program_tests" else "text"
-
-
-class GoldScorer:
-    """The embedded task's gold scorer (:mod:`marlhf.data.synthetic`): reward source ``gold``, and the held-out
-    ``gold_score`` of every evaluation on that task.
-
-    :meth:`score` reads each post's facts from ``meta["facts"]`` (written by the synthetic generator and
-    carried through the data cache), and parses the prompt text only for data without them; ``ended`` says
-    which answers stopped at an end token.  ``details`` returns every component as well (printed next to the
-    total); calling the scorer, ``(prompts, answers, ended) -> scores``, parses the prompts."""
-
-    def __init__(self):
-
-        self._synthetic = synthetic
-        self.components = synthetic.GOLD_COMPONENTS
-
-    def __call__(self, prompts, answers, ended=None) -> list[float]:
-        return self._synthetic.gold_scores(prompts, answers, ended)
-
-    def score(self, prompts, responses, meta=None, *, ended=None) -> list[float]:
-        return [d["total"] for d in self.details(prompts, responses, ended, meta)]
-
-    def details(self, prompts, answers, ended=None, meta=None) -> list[dict[str, float]]:
-        return self._synthetic.gold_score_details(prompts, answers, ended, self._facts(meta, len(prompts)))
-
-    def _facts(self, meta, n: int):
-        if meta is None:
-            return None
-        if len(meta) != n:
-            raise ValueError(f"gold scorer: {n} prompts but {len(meta)} meta entries")
-        facts = self._synthetic.PostFacts.from_meta
-        return [facts(m["facts"]) if m and "facts" in m else None for m in meta]
 
 
 def shell_values(name: str, root: str | Path = APPLICATIONS_DIR) -> str:

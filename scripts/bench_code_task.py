@@ -111,8 +111,8 @@ def pass_counts(model: Path, records: list, cfg: dict, n: int, workers: int, see
     the (n, correct) count per problem and the verdict mix."""
     import torch
 
-    from marlhf.code.reward import run_responses
-    from marlhf.eval.generate import LoadedPolicy, batch_seed
+    from marlhf.eval.generate_tool import LoadedPolicy, batch_seed
+    from marlhf.rewards.program_tests import run_responses
 
     policy = LoadedPolicy(str(model))
     responses = []
@@ -137,13 +137,13 @@ def answer_forms(responses: list, records: list, n: int, spec: str) -> dict:
     program, the demonstrations' bug (the same program with the result off by one: what ``flaw_rate`` puts in
     the SFT data) or something else: what a reward gain is made of.  ``spec`` is the synthetic_code dataset."""
     from marlhf.code.apps import extract_code
-    from marlhf.data import synthetic_code
     from marlhf.data.adapters.loader import parse_synthetic_options
+    from marlhf.embedded import code_task
 
     name, _, options = spec.partition(":")
     if name != "synthetic_code":
         raise SystemExit(f"the answer forms need the synthetic_code task, not {spec!r}")
-    cfg = synthetic_code.SyntheticCodeConfig(**parse_synthetic_options(options, synthetic_code.SyntheticCodeConfig))
+    cfg = code_task.SyntheticCodeConfig(**parse_synthetic_options(options, code_task.SyntheticCodeConfig))
 
     def norm(program: str) -> str:
         return " ".join(program.split())
@@ -151,7 +151,7 @@ def answer_forms(responses: list, records: list, n: int, spec: str) -> dict:
     counts = dict.fromkeys(ANSWER_FORMS, 0)
     for i, record in enumerate(records):
         index = int(record.source.rpartition(":")[2])
-        reference, buggy = (norm(synthetic_code.problem(cfg.seed, index, dataclasses.replace(cfg, flaw_rate=rate))
+        reference, buggy = (norm(code_task.problem(cfg.seed, index, dataclasses.replace(cfg, flaw_rate=rate))
                                  .chosen) for rate in (0.0, 1.0))
         for answer in responses[i * n:(i + 1) * n]:
             got = norm(extract_code(answer))

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from marlhf.rlhf.parsing import ParseSegmenter, available_backends  # noqa: E402
+from marlhf.parsing import ParseSegmenter, available_backends  # noqa: E402
 
 WHO = ["my roommate", "my sister", "our neighbour", "my boyfriend", "a coworker", "my landlord", "the kid next door"]
 WHAT = ["borrows my car without asking", "keeps eating my food", "plays loud music at night",

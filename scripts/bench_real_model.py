@@ -91,9 +91,9 @@ def main() -> None:
     cli = ap.parse_args()
 
     import torch
+    from lab.perf import matmul_peak_gflops
 
     from marlhf.models.pretrained import prepare_smollm2
-    from marlhf.utils.perf import matmul_peak_gflops
 
     model = str(prepare_smollm2())
     data = cli.data or f"Anthropic/hh-rlhf:{SHARED_HH if SHARED_HH.exists() else FIXTURE_HH}"

@@ -88,7 +88,7 @@ _ENV = re.compile(r"[A-Z][A-Z0-9_]*=\S*")  # a launch-script environment overrid
 def label_ceiling(max_eval: int) -> float:
     """Share of the first ``max_eval`` held-out synthetic pairs whose label agrees with the gold scorer."""
     from marlhf.data.adapters import load_records
-    from marlhf.data.synthetic import gold_score
+    from marlhf.embedded.task import gold_score
 
     records = load_records("synthetic", split="test")[:max_eval]
     agree = sum(gold_score(r.prompt, r.chosen) > gold_score(r.prompt, r.rejected) for r in records)
@@ -100,7 +100,7 @@ def flaw_group(meta: dict) -> str:
     side): dropped facts named "drop" whatever the slot, invented ones by kind ("invent:pet", "invent:age": a
     narrator tag a few years off, "invent:name": a sentence naming the pet wrongly), "swap_tags" (narrator and
     other tags exchanged)."""
-    from marlhf.data.synthetic import extra_flaws
+    from marlhf.embedded.task import extra_flaws
 
     return "+".join(sorted("drop" if f.startswith("drop:") else f for f in extra_flaws(meta)))
 
@@ -117,7 +117,7 @@ def gold_breakdown(scorer, records: list) -> dict:
     """How often ``scorer(prompts, responses)`` orders a held-out pair as the gold scorer does, overall, per
     :func:`synthetic.pair_difference` of the pair and per :func:`flaw_group` (largest groups first), next to
     its label accuracy."""
-    from marlhf.data.synthetic import gold_score, pair_difference
+    from marlhf.embedded.task import gold_score, pair_difference
 
     prompts = [r.prompt for r in records]
     chosen, rejected = scorer(prompts, [r.chosen for r in records]), scorer(prompts, [r.rejected for r in records])
@@ -139,7 +139,7 @@ def implicit_reward(policy, reference):
 
 def reference_rankers(args, held_out: list) -> list[dict]:
     """--likelihood_of / --implicit_reward_of: each ranker's :func:`gold_breakdown` on the held-out pairs."""
-    from marlhf.eval.reward import LikelihoodScorer
+    from marlhf.rewards.reward_model import LikelihoodScorer
 
     rankers = []
     if args.likelihood_of:
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
                   f"chosen {run['chosen_score']:.2f} / rejected {run['rejected_score']:.2f}, "
                   f"{run['seconds']:.0f} s", flush=True)
             if args.breakdown:
-                from marlhf.eval.reward import Scorer
+                from marlhf.rewards.reward_model import Scorer
 
                 run["breakdown"] = b = gold_breakdown(Scorer(str(out)), held_out)
                 print(f"{name} seed {seed}: agrees with the gold scorer on {b['gold_agreement']:.3f} of the pairs; "

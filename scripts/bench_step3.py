@@ -6,7 +6,7 @@ times a whole step of each variant of the reproduction sweep (``scripts/lab/swee
 flags parsed into ``RLHFArgs``) on the embedded model (actor = reference = critic init = reward model
 architecture; fp32; ZeRO 0; the tiny launch script's sampling and micro-batch), split into phases:
 
-  generation  ``marlhf.generation.sample`` (answers to the prompts, K per prompt for RLOO / GRPO)
+  generation  ``marlhf.sampler.sample`` (answers to the prompts, K per prompt for RLOO / GRPO)
   forwards    experience forwards: actor and reference log-probs, critic values (GAE only), reward model
   macro       termination rule → segment ids → advantages (macro GAE, or the critic-free estimator)
   training    the PPO epoch: actor (+ critic) forward, backward and optimizer step per micro-batch
@@ -26,7 +26,7 @@ tokens per PPO epoch / training seconds); training FLOPs (counted once per varia
 FlopCounterMode over an untimed identical update: matmuls and attention, forward + backward) / training
 seconds, as a fraction of this machine's fp32 matmul peak measured in the same run (before and after, the
 higher kept); memory: the tensors of the engines the variant uses (weights, gradients, Adam state) and the
-process's peak resident memory during the step above what it held before (``marlhf.utils.perf.PeakRSS``).
+process's peak resident memory during the step above what it held before (``lab.perf.PeakRSS``).
 
     python scripts/bench_step3.py [--quick] [--size tiny] [--batch 16] [--answer_len 64] [--repeats 3] \\
         [--threads 2] [--variants all|ppo n5 grpo ...] [--max_seconds 0] [--out docs/results/cost_per_step.json]
@@ -55,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from lab.cost_report import PHASES, render_cost_section  # noqa: E402
+from lab.perf import PeakRSS, matmul_peak_gflops, tensor_megabytes  # noqa: E402
 from lab.sweep import BASELINE, VARIANTS  # noqa: E402
 
 from marlhf import embedded  # noqa: E402
@@ -67,7 +68,6 @@ from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer  # noqa: E402
 from marlhf.tasks import resolve_task  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
 from marlhf.utils.machine import cpu_name  # noqa: E402
-from marlhf.utils.perf import PeakRSS, matmul_peak_gflops, tensor_megabytes  # noqa: E402
 from marlhf.utils.timing import NO_TIMER, PhaseTimer  # noqa: E402
 
 QUICK_VARIANTS = ["ppo", "n5", "grpo"]

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from marlhf.data.formatting import PromptFormatter
-from marlhf.generation import GenerationConfig, sample
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids
 from marlhf.rlhf.macro import fixed_starts, lowprob_starts
 from marlhf.rlhf.rollout import policy_logprobs
+from marlhf.sampler import GenerationConfig, sample
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 NGRAMS = (1, 5, 10)

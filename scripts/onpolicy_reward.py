@@ -6,7 +6,7 @@ Starting from a finished main job (``marlhf quickstart --output_dir RUN``: step1
 2. ``marlhf label --annotator gold --tau T``: pairs of them labelled by the simulated annotator, a share of the
    prompts held out (``test.jsonl``);
 3. ``marlhf rm``: the step-2 reward model trained on, continued on those pairs;
-4. ``marlhf rw-eval``: both reward models' accuracy on the held-out policy pairs, against the gold order, split
+4. ``marlhf score-pairs``: both reward models' accuracy on the held-out policy pairs, against the gold order, split
    by how far apart the gold scores are;
 5. ``marlhf ppo``, with the quick start's step-3 settings, against each reward model at several seeds (same
    prompt split, ``--data_seed``), evaluated on ``--eval_prompts`` held-out prompts.
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     for i, (name, path) in enumerate(models.items()):
         scores = out / f"scores_{i}.jsonl"
         if not scores.exists():
-            run_logged(marlhf_cmd("rw-eval", "--model_name_or_path", str(path), "--input",
+            run_logged(marlhf_cmd("score-pairs", "--model_name_or_path", str(path), "--input",
                                   str(out / "pairs" / "test.jsonl"), "--output", str(scores)), out / f"rw_eval_{i}.log")
         accuracy[name] = pair_accuracy(out / "pairs" / "test.jsonl", scores)
 

@@ -68,7 +68,7 @@ def embedded():
 @pytest.fixture(scope="session")
 def benepar_silver():
     """Folder of the project-built benepar model (built once per machine under $MARLHF_HOME, ~2 min)."""
-    from marlhf.rlhf.parsing import benepar_model
+    from marlhf.parsing import benepar_model
 
     return benepar_model.prepare()
 

@@ -61,7 +61,7 @@ def tldr_dataset(out: Path, rows: int = 3000) -> Path:
     from the embedded task: the post, a good summary and a worse one (the task's own candidates)."""
     if (out / "train.jsonl").exists():
         return out
-    from marlhf.data.synthetic import SyntheticConfig, generate
+    from marlhf.embedded.task import SyntheticConfig, generate
 
     out.mkdir(parents=True, exist_ok=True)
     records = generate(SyntheticConfig(seed=11, num_records=rows + 200))
@@ -84,7 +84,7 @@ def apps_dataset(out: Path, rows: int = 400) -> Path:
     and reference programs)."""
     if (out / "train.jsonl").exists():
         return out
-    from marlhf.data.synthetic_code import SyntheticCodeConfig, generate
+    from marlhf.embedded.code_task import SyntheticCodeConfig, generate
 
     out.mkdir(parents=True, exist_ok=True)
     records = generate(SyntheticCodeConfig(num_records=rows + 40))

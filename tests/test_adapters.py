@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import marlhf.data
 from marlhf.data.adapters import (
     DatasetUnavailableError,
     apps_row,
@@ -349,10 +348,12 @@ def test_synthetic_spec_parsing_and_test_seed(monkeypatch):
         prompts = ["p0", "p1"] if cfg.seed == 7 else ["p1", "q2", "q3"]
         return [Record(p, " c", " r", f"synthetic:{i}") for i, p in enumerate(prompts)]
 
-    fake = types.ModuleType("marlhf.data.synthetic")
+    fake = types.ModuleType("marlhf.embedded.task")
     fake.SyntheticConfig, fake.generate = FakeConfig, generate
-    monkeypatch.setitem(sys.modules, "marlhf.data.synthetic", fake)
-    monkeypatch.setattr(marlhf.data, "synthetic", fake, raising=False)
+    import marlhf.embedded.task  # the real one first: the package attribute is put back after the test
+
+    monkeypatch.setitem(sys.modules, "marlhf.embedded.task", fake)
+    monkeypatch.setattr(marlhf.embedded, "task", fake)
 
     train = load_records("synthetic:seed=7, num_records=500,label_noise=0.25,shuffle=false")
     assert calls == [FakeConfig(seed=7, num_records=500, label_noise=0.25, shuffle=False)]
@@ -376,7 +377,7 @@ def test_synthetic_spec_parsing_and_test_seed(monkeypatch):
 
 
 def test_synthetic_real_generator_train_and_test_are_disjoint():
-    pytest.importorskip("marlhf.data.synthetic")
+    pytest.importorskip("marlhf.embedded.task")
     train = load_records("synthetic:seed=7,num_records=30")
     test = load_records("synthetic:seed=7,num_records=30", "test")
     assert len(train) == 30 and 0 < len(test) <= 30

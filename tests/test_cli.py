@@ -15,8 +15,8 @@ from marlhf.cli import COMMANDS
 from marlhf.cli.main import main as marlhf_main
 
 # one subcommand per entry point of the old layout, and the main job
-EXPECTED = {"sft", "rm", "label", "dpo", "ppo", "quickstart", "generate", "rm-eval", "rw-eval", "eval-policy", "judge",
-            "best-of-n", "pass-at-k", "execute", "chat", "export"}
+EXPECTED = {"sft", "rm", "label", "dpo", "ppo", "quickstart", "generate", "score-pairs", "score-policies",
+            "eval-policy", "judge", "best-of-n", "pass-at-k", "execute", "chat", "export"}
 
 
 def test_every_entry_point_is_a_subcommand_with_a_main():
@@ -58,10 +58,19 @@ def test_training_help_groups_flags_by_section(capsys):
 
 
 def test_unknown_subcommand_exits_2_and_suggests(capsys):
-    assert marlhf_main(["rm_eval"]) == 2
+    assert marlhf_main(["score_pairs"]) == 2
     err = capsys.readouterr().err
-    assert "unknown subcommand 'rm_eval'" in err and "did you mean 'rm-eval'" in err
+    assert "unknown subcommand 'score_pairs'" in err and "did you mean 'score-pairs'" in err
     assert marlhf_main([]) == 0 and "subcommands:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("old,new", [("rw-eval", "score-pairs"), ("rm-eval", "score-policies")])
+def test_renamed_subcommands_still_run_and_say_their_new_name(old, new, capsys):
+    with pytest.raises(SystemExit) as stop:
+        marlhf_main([old, "--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr()
+    assert f"'{old}' is now 'marlhf {new}'" in out.err and out.out.startswith(f"usage: marlhf {new}")
 
 
 def test_a_user_error_through_the_command_is_one_line_and_status_1(tmp_path):

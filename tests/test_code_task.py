@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import REPO, STEP1, STEP3, load_main
 
-from marlhf.code.reward import ProgramTestReward, run_responses
 from marlhf.data.adapters import load_records
-from marlhf.data.synthetic_code import SyntheticCodeConfig, generate
+from marlhf.embedded.code_task import SyntheticCodeConfig, generate
+from marlhf.rewards.program_tests import ProgramTestReward, run_responses
 from marlhf.utils.tracking import read_metrics
 
 DATA = "synthetic_code:num_records=48"

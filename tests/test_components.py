@@ -122,7 +122,7 @@ def test_sections_take_their_flags_and_declare_no_defaults():
 
     from marlhf.config import EngineSection
     from marlhf.data.pipeline import DataSection
-    from marlhf.eval.generate import PromptSource
+    from marlhf.eval.generate_tool import PromptSource
     from marlhf.loop import LoopSection
     from marlhf.rlhf.rlhf_engine import ModelsSection
     from marlhf.rlhf.sections import BatchSection, EvalSection, RolloutSection, UpdateSection

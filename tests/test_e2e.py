@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from marlhf.data.synthetic import GOLD_COMPONENTS
+from marlhf.embedded.task import GOLD_COMPONENTS
 from marlhf.utils.machine import machine_info
 
 

@@ -10,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from marlhf import embedded
-from marlhf.data.synthetic import SyntheticConfig, generate, read_jsonl
-from marlhf.models.tiny import TINY_SIZES, create_tiny_model, tiny_config
-from marlhf.models.tokenizer import END_OF_CONVERSATION, train_tokenizer, word_start_table
+from marlhf.embedded.model import TINY_SIZES, create_tiny_model, tiny_config
+from marlhf.embedded.task import SyntheticConfig, generate, read_jsonl
+from marlhf.embedded.tokenizer import END_OF_CONVERSATION, train_tokenizer
+from marlhf.rlhf.termination.word import word_start_table
 
 
 @pytest.fixture(scope="module")

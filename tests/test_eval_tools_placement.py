@@ -32,7 +32,7 @@ def test_eval_policy_loads_every_model_in_the_runs_dtype(embedded, tmp_path, mon
 
 def test_judge_reward_model_on_the_device_in_the_dtype(tmp_path, monkeypatch):
     from marlhf.cli import judge
-    from marlhf.eval import reward as reward_mod
+    from marlhf.rewards import reward_model as reward_mod
 
     loaded = []
     real = reward_mod.load_reward_model

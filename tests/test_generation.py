@@ -1,4 +1,4 @@
-"""The generation seam (marlhf/generation.py): grouping of num_samples, seeding, masks and padding after the
+"""The generation seam (marlhf/sampler.py): grouping of num_samples, seeding, masks and padding after the
 stop token, greedy decoding against a plain argmax loop, and the policy's train/eval mode restored."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marlhf.generation import GenerationConfig, answer_mask, sample
+from marlhf.sampler import GenerationConfig, answer_mask, sample
 
 PAD = 0
 
@@ -168,7 +168,7 @@ def test_k_answers_share_one_prefill_of_their_prompt(varied, monkeypatch, do_sam
     """num_samples = K: the prompts (all but their last token) go through the model once, B rows, and generate
     starts from that cache repeated K times — feeding K·B rows of one token — with the same answers, token for
     token, as K separate prefills (greedy: each copy the argmax loop; sampling: the same seeded draws)."""
-    import marlhf.generation as generation
+    import marlhf.sampler as generation
 
     ids, mask = left_padded(PROMPTS)
     K, shapes = 3, []

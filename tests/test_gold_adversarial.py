@@ -16,8 +16,8 @@ import statistics
 
 import pytest
 
-from marlhf.data import synthetic
-from marlhf.data.synthetic import (
+from marlhf.embedded import task as embedded_task
+from marlhf.embedded.task import (
     EXTRAS,
     FILLERS,
     FLOOR,
@@ -126,20 +126,20 @@ def test_every_degenerate_kind_is_below_the_rejected_p5(reference):
 
 
 def _plan_summary(prompt_facts, keep, rng, invent=0):
-    plan = synthetic._base_plan(prompt_facts, rng)
+    plan = embedded_task._base_plan(prompt_facts, rng)
     plan.keep = set(keep)
     for _ in range(invent):
-        synthetic._invent(plan, rng)
-    return synthetic._render(plan)
+        embedded_task._invent(plan, rng)
+    return embedded_task._render(plan)
 
 
 def test_monotone_in_quality_between_floor_and_flawless():
     """Dropping key facts one by one, or inventing more of them, lowers the score strictly every time."""
     rng = random.Random(2)
     for index in range(100):
-        r_rng = synthetic._record_rng(99, index)
-        facts = synthetic._sample_facts(r_rng)
-        prompt = synthetic._post(facts, r_rng, 0.5)
+        r_rng = embedded_task._record_rng(99, index)
+        facts = embedded_task._sample_facts(r_rng)
+        prompt = embedded_task._post(facts, r_rng, 0.5)
         keep = list(KEY_SLOTS)
         order = rng.sample(keep, len(keep))
         scores = []

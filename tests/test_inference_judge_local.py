@@ -41,7 +41,7 @@ def test_gold_judge_prefers_reference_summaries(records, tmp_path, capsys):
 
 
 def test_reward_model_judge_matches_direct_scores(records, tmp_path, capsys):
-    from marlhf.eval.reward import Scorer
+    from marlhf.rewards.reward_model import Scorer
 
     rm = save_seeded_reward_model(tmp_path / "rm")
     a = write_rows(tmp_path / "a.jsonl", [{"prompt": r.prompt, "response": r.chosen} for r in records])

@@ -25,14 +25,13 @@ from marlhf.eval.judge import (
     ChatCompletionsJudge,
     JudgeError,
     ScorerJudge,
-    VerdictFormat,
     compare_policies,
     parse_verdict,
     presentation_order,
-    render_template,
     summarize,
     wilson_interval,
 )
+from marlhf.tasks import VerdictFormat, render_template
 
 KEY = "sk-test-SECRET-0123456789"
 TEMPLATE = "Q: {prompt}\nRESPONSE A: {response_a}\nRESPONSE B: {response_b}\nVerdict:"

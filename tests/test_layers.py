@@ -1,6 +1,7 @@
 """The package's import structure, read from its source: no import circles, and no module importing a layer above
-its own — foundation (errors, utils) < data and models < algorithms and evaluation < entry points (cli).
-Imports under ``if TYPE_CHECKING:`` (annotations only) do not count."""
+its own — foundation (errors, utils) < components (data, models, code, the parser, the sampler, the embedded task's
+parts) < the embedded default assembled from them < algorithms (rlhf, rewards, tasks, config, ...) < evaluation
+(eval) < entry points (cli).  Imports under ``if TYPE_CHECKING:`` (annotations only) do not count."""
 
 import ast
 from pathlib import Path
@@ -8,18 +9,20 @@ from pathlib import Path
 from conftest import REPO
 
 ROOT = REPO / "marlhf"
-LAYERS = (  # (layer, the modules in it: a package prefix or a module)
-    (0, ("marlhf.errors", "marlhf.utils")),
-    (1, ("marlhf.data", "marlhf.models", "marlhf.code", "marlhf.generation", "marlhf.embedded")),
-    (3, ("marlhf.cli", "marlhf.__main__")),
-)  # everything else (rlhf, rewards, supervised, dpo, eval, config, ...) is layer 2
+LAYERS = {  # a module's layer is that of the longest prefix it matches (a package prefix or a module)
+    "marlhf.errors": 0, "marlhf.utils": 0,
+    "marlhf.data": 1, "marlhf.models": 1, "marlhf.code": 1, "marlhf.parsing": 1, "marlhf.sampler": 1,
+    "marlhf.embedded.task": 1, "marlhf.embedded.code_task": 1, "marlhf.embedded.model": 1,
+    "marlhf.embedded.tokenizer": 1,
+    "marlhf.embedded": 1.5,  # the package itself builds the default from the task, a tokenizer and a model
+    "marlhf.eval": 3,
+    "marlhf.cli": 4, "marlhf.__main__": 4, "marlhf": 4,
+}  # everything else (rlhf, rewards, tasks, supervised, dpo, config, loop, ...) is layer 2
 
 
-def layer(module: str) -> int:
-    for number, prefixes in LAYERS:
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return number
-    return 3 if module == "marlhf" else 2
+def layer(module: str) -> float:
+    matches = [p for p in LAYERS if module == p or (p != "marlhf" and module.startswith(p + "."))]
+    return LAYERS[max(matches, key=len)] if matches else 2
 
 
 def modules() -> dict[str, Path]:
@@ -91,6 +94,8 @@ def test_the_analysis_finds_a_circle_and_an_upward_import():
     graph = {"marlhf.utils.a": {"marlhf.data.b"}, "marlhf.data.b": {"marlhf.utils.a"}, "marlhf.cli.c": set()}
     assert cycles(graph) == [["marlhf.data.b", "marlhf.utils.a"]]
     assert layer("marlhf.utils.a") < layer("marlhf.data.b") < layer("marlhf.rlhf.x") < layer("marlhf.cli.c")
+    assert layer("marlhf.embedded.task") < layer("marlhf.embedded") < layer("marlhf.rewards.gold") \
+        < layer("marlhf.eval.x")
     real = imports(modules())  # the reader sees absolute, relative, submodule and function-local imports
     assert {"marlhf.rlhf.rollout", "marlhf.rlhf.advantages"} <= real["marlhf.rlhf.trainer"]
     assert "marlhf.rlhf.advantages" in real["marlhf.config"]  # imported inside a method

@@ -49,9 +49,9 @@ def test_monte_carlo_values_average_continuations_of_each_boundary(tmp_path, mon
     from ppo_harness import make_trainer, prompts, rlhf_args
 
     from marlhf import embedded
-    from marlhf.generation import sample
     from marlhf.rlhf import rollout
     from marlhf.rlhf.rollout import monte_carlo_values
+    from marlhf.sampler import sample
 
     nano = embedded.prepare(size="nano").model_dir
     args = rlhf_args(nano, tmp_path, advantage_estimator="mc_macro", mc_rollouts=2,

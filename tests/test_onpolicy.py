@@ -151,7 +151,7 @@ def test_command_labels_synthetic_answers_with_the_gold_scorer(tmp_path):
     scorer orders them (τ = 0), the folder reads back as a local dataset, and a rerun with the same inputs finds
     it done while another τ relabels."""
     from marlhf.data.adapters.loader import load_records
-    from marlhf.data.synthetic import SyntheticConfig, generate, gold_score
+    from marlhf.embedded.task import SyntheticConfig, generate, gold_score
 
     recs = generate(SyntheticConfig(num_records=40, seed=3))
     gen = tmp_path / "answers.jsonl"
@@ -249,7 +249,7 @@ def test_pooled_generations_take_the_first_answers_of_each_file_in_order():
 def test_command_pools_several_files_and_caches_by_all_of_them(tmp_path):
     """``marlhf label --generations NEW OLD --max_samples 2``: the pairs mix both files' answers, and the folder
     is relabelled when either file or --max_samples changes."""
-    from marlhf.data.synthetic import SyntheticConfig, generate
+    from marlhf.embedded.task import SyntheticConfig, generate
 
     recs = [r for r in generate(SyntheticConfig(num_records=30, seed=4)) if r.chosen != r.rejected][:10]
     new, old, out = tmp_path / "new.jsonl", tmp_path / "old.jsonl", tmp_path / "pairs"

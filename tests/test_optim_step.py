@@ -239,7 +239,7 @@ def experience(nano, tmp_path_factory):
     batches = []
     with pytest.MonkeyPatch.context() as mp:
         # the untrained nano model never samples the stop token in 24 tokens: end the answers at set lengths
-        mp.setattr("marlhf.generation.answer_mask", varied_lengths)
+        mp.setattr("marlhf.sampler.answer_mask", varied_lengths)
         for k in range(2):
             ids, mask = prompts(args, t.tokenizer, 8, offset=8 * k)
             exp, _ = t.make_experience(ids, mask, step=k)

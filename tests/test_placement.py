@@ -1,4 +1,4 @@
-"""--device / --dtype of the inference tools (marlhf.eval.placement): auto picks the GPU and bf16 when there are
+"""--device / --dtype of the inference tools (marlhf.models.placement): auto picks the GPU and bf16 when there are
 some, the CPU and fp32 here; bf16 on the CPU gives close results; the model is moved where the flags say."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from conftest import save_seeded_reward_model
 
 from marlhf.errors import ConfigError
-from marlhf.eval.placement import Placement, resolve_placement
+from marlhf.models.placement import Placement, resolve_placement
 
 
 def test_auto_on_this_cpu_machine_is_cpu_fp32():
@@ -37,7 +37,7 @@ def test_refusals_name_the_flag():
 def test_the_policy_is_moved_to_the_chosen_device_and_dtype(embedded):
     """'meta' stands in for a GPU (no CUDA here): every parameter goes where the placement says, in its dtype."""
     from marlhf import embedded as emb
-    from marlhf.eval.generate import LoadedPolicy
+    from marlhf.eval.generate_tool import LoadedPolicy
 
     nano = str(emb.prepare(size="nano").model_dir)
     policy = LoadedPolicy(nano, device="meta", dtype="bf16")
@@ -47,8 +47,8 @@ def test_the_policy_is_moved_to_the_chosen_device_and_dtype(embedded):
 
 def test_bf16_on_the_cpu_scores_and_samples_close_to_fp32(embedded, tmp_path):
     from marlhf import embedded as emb
-    from marlhf.eval.generate import LoadedPolicy
-    from marlhf.eval.reward import Scorer
+    from marlhf.eval.generate_tool import LoadedPolicy
+    from marlhf.rewards.reward_model import Scorer
 
     rm_dir = save_seeded_reward_model(tmp_path / "rm")
     prompts = ["Who owns the red box?", "Name the capital of the second country."]

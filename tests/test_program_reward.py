@@ -2,8 +2,8 @@
 
 import pytest
 
-from marlhf.code.reward import ProgramTestReward, run_responses
 from marlhf.code.sandbox import Limits
+from marlhf.rewards.program_tests import ProgramTestReward, run_responses
 
 DOUBLE = {"input_output": {"inputs": ["2\n", "5\n"], "outputs": ["4\n", "10\n"]}, "difficulty": "introductory"}
 NEG = {"input_output": {"fn_name": "neg", "inputs": [[1], [-3]], "outputs": [-1, 3]}}

@@ -146,8 +146,8 @@ def test_training_ids_match_the_exported_actors_format_and_end_with_the_end_toke
 def test_generation_stops_at_the_end_token(runs, prompt_format):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from marlhf.generation import GenerationConfig, sample
     from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids
+    from marlhf.sampler import GenerationConfig, sample
 
     tok = AutoTokenizer.from_pretrained(runs / "ppo/actor")
     model = AutoModelForCausalLM.from_pretrained(runs / "ppo/actor").eval()
@@ -170,9 +170,9 @@ def test_generation_stops_at_the_end_token(runs, prompt_format):
 def test_exported_reward_model_scores_identically_in_plain_transformers(runs, prompt_format, capsys):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from marlhf.eval.reward import Scorer
     from marlhf.models.forward import sequence_scores
     from marlhf.models.loading import load_tokenizer, load_value_model
+    from marlhf.rewards.reward_model import Scorer
 
     rm = runs / "rm"
     tok = AutoTokenizer.from_pretrained(rm)
@@ -186,7 +186,7 @@ def test_exported_reward_model_scores_identically_in_plain_transformers(runs, pr
         expected = plain(**batch).logits.squeeze(-1)
         torch.testing.assert_close(expected, sequence_scores(ours, batch["input_ids"], batch["attention_mask"]),
                                    rtol=1e-4, atol=1e-4)
-    # the scoring tools (rw_eval, inference/rm_eval) format HH records in the folder's recorded format
+    # the scoring tools (score-pairs = rw_eval.py, score-policies) format HH records in the folder's recorded format
     scorer = Scorer(str(rm))
     assert scorer.format.prompt_format == prompt_format
     scores = scorer([f"\n\nHuman: {q}\n\nAssistant:" for q, _ in pairs], [f" {a}" for _, a in pairs])
@@ -219,7 +219,7 @@ def test_likelihood_term_on_a_tied_real_model(runs, prompt_format, tmp_path):
     """--likelihood_term on SmolLM2 (input and output embeddings tied, <|im_end|> closing the answer, in both
     prompt formats): the term's head is taken from the tied embeddings, and the exported reward model scores
     an HH record as its score head plus α · Σ log p of the answer tokens (the end token included) under it."""
-    from marlhf.eval.reward import LikelihoodScorer, Scorer, _items
+    from marlhf.rewards.reward_model import LikelihoodScorer, Scorer, _items
 
     out = tmp_path / "rm"
     load_main(STEP2)([*SUPERVISED, "--data_output_path", str(tmp_path / "data"), "--max_steps", "1",

@@ -691,7 +691,7 @@ def test_held_out_kl_against_a_per_sample_loop(tmp_path):
 
     from marlhf import embedded
     from marlhf.data.pipeline import PromptCollator
-    from marlhf.generation import sample
+    from marlhf.sampler import sample
 
     nano = embedded.prepare(size="nano").model_dir
     args = rlhf_args(nano, tmp_path, max_eval_samples=6, per_device_generation_batch_size=4,

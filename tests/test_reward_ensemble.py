@@ -1,5 +1,5 @@
 """A conservative reward from several reward models (issue 28, lever 3): ``--reward_ensemble`` in step 3 and in
-``marlhf eval-policy`` (``marlhf/rewards.py``: :func:`ensemble_reward`, :class:`RewardEnsembleSource`).
+``marlhf eval-policy`` (``marlhf/rewards/__init__.py``: :func:`ensemble_reward`, :class:`RewardEnsembleSource`).
 
 The combination is checked against a loop written here; the runs use real reward-model folders whose scores
 are known relative to each other (one the exact negation of another), so what step 3 trained on and what the
@@ -18,13 +18,8 @@ from test_step3 import nano, step3_argv, train_rows  # noqa: F401  (nano: the mo
 
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.errors import ConfigError, run_cli
-from marlhf.rewards import (
-    RewardEnsembleSource,
-    RewardModelSource,
-    build_reward_source,
-    ensemble_reward,
-    evaluation_sources,
-)
+from marlhf.rewards import build_reward_source, evaluation_sources
+from marlhf.rewards.reward_model import RewardEnsembleSource, RewardModelSource, ensemble_reward
 
 
 def reference(scores: list[list[float]], reduce: str, k: float) -> list[float]:

@@ -1,5 +1,5 @@
 """The user's own reward (issue 26 §3): ``--reward_source python`` (a function in a file or module) and
-``--reward_source remote`` (an HTTP server), in ``marlhf/external_rewards.py``.
+``--reward_source remote`` (an HTTP server), in ``marlhf/rewards/python.py`` and ``remote.py``.
 
 The python source is loaded from real files and modules; the remote one talks to a real HTTP server on
 127.0.0.1 started by the test (no mock of the client), which records every request.  Short step-3 runs show
@@ -24,8 +24,9 @@ from test_step3 import nano, train_rows  # noqa: F401  (nano: the module's model
 
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.errors import ConfigError, RewardError, UserError, run_cli
-from marlhf.external_rewards import PythonReward, RemoteReward
 from marlhf.rewards import build_reward_source, evaluation_sources
+from marlhf.rewards.python import PythonReward
+from marlhf.rewards.remote import RemoteReward
 from marlhf.tasks import load_task
 
 PROMPTS = ["p0", "p1", "p2"]

@@ -1,4 +1,4 @@
-"""Reward sources (marlhf/rewards.py): one ``score(prompts, responses, meta)`` interface for the reward model,
+"""Reward sources (marlhf/rewards/__init__.py): one ``score(prompts, responses, meta)`` interface for the reward model,
 the gold scorer and the program tests; ``Record.meta`` carried through the tokenized cache and the prompt
 collator to the scorer; the reward model scoring the generated token sequences as they are."""
 
@@ -9,24 +9,26 @@ import json
 import pytest
 import torch
 
-from marlhf.data import synthetic
 from marlhf.data.pipeline import PromptCollator, _pad
+from marlhf.embedded import task as embedded_task
 from marlhf.errors import ConfigError
-from marlhf.generation import Samples
-from marlhf.rewards import RewardModelSource, RewardSource, SequenceScorer, build_reward_source, score_samples
-from marlhf.tasks import GoldScorer, load_task, task_of_datasets
+from marlhf.rewards import RewardSource, SequenceScorer, build_reward_source, score_samples
+from marlhf.rewards.gold import GoldScorer
+from marlhf.rewards.reward_model import RewardModelSource
+from marlhf.sampler import Samples
+from marlhf.tasks import load_task, task_of_datasets
 
 
 @pytest.fixture(scope="module")
 def records():
-    return synthetic.generate(synthetic.SyntheticConfig(seed=5, num_records=40))
+    return embedded_task.generate(embedded_task.SyntheticConfig(seed=5, num_records=40))
 
 
 def _responses(records):
     """Good, flawed, cut and junk answers to each prompt."""
     out = []
     for i, r in enumerate(records):
-        out.append([r.chosen, r.rejected, synthetic.oracle_summary(r.prompt), r.chosen[: 20 + i],
+        out.append([r.chosen, r.rejected, embedded_task.oracle_summary(r.prompt), r.chosen[: 20 + i],
                     "I like turtles and my cat (99F)."][i % 5])
     return out
 
@@ -43,7 +45,7 @@ def test_gold_scores_from_meta_equal_the_parsed_ones(records):
     parsed = gold(prompts, responses, ended)
     assert from_meta == parsed  # exactly the same numbers
     assert len(set(from_meta)) > 10 and min(from_meta) < 0 < max(from_meta)  # the answers really differ
-    assert gold.details(prompts, responses, ended, meta) == synthetic.gold_score_details(prompts, responses, ended)
+    assert gold.details(prompts, responses, ended, meta) == embedded_task.gold_score_details(prompts, responses, ended)
     # records without facts (other data) fall back to parsing the prompt
     assert gold.score(prompts, responses, [{}] * len(prompts), ended=ended) == parsed
 
@@ -51,7 +53,7 @@ def test_gold_scores_from_meta_equal_the_parsed_ones(records):
 def test_gold_facts_come_from_meta_not_from_the_prompt_text(records):
     r = records[0]
     cut = r.prompt[len(r.prompt) // 2:]  # a prompt truncated from the left lost some of its facts
-    answer = synthetic.oracle_summary(r.prompt)
+    answer = embedded_task.oracle_summary(r.prompt)
     gold = GoldScorer()
     assert gold.score([r.prompt], [answer], [r.meta]) == [pytest.approx(1.0)]
     assert gold.score([cut], [answer], [r.meta]) == gold.score([r.prompt], [answer], [r.meta])
@@ -60,16 +62,16 @@ def test_gold_facts_come_from_meta_not_from_the_prompt_text(records):
 
 def test_meta_facts_are_the_generators(records):
     for r in records:
-        assert synthetic.PostFacts.from_meta(r.meta["facts"]) == synthetic.parse_post(r.prompt)
+        assert embedded_task.PostFacts.from_meta(r.meta["facts"]) == embedded_task.parse_post(r.prompt)
         assert r.meta == json.loads(json.dumps(r.meta))  # JSON-serialisable
 
 
 def test_jsonl_keeps_meta(records, tmp_path):
-    synthetic.write_jsonl(records[:3], tmp_path / "r.jsonl")
-    assert synthetic.read_jsonl(tmp_path / "r.jsonl") == records[:3]
+    embedded_task.write_jsonl(records[:3], tmp_path / "r.jsonl")
+    assert embedded_task.read_jsonl(tmp_path / "r.jsonl") == records[:3]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "c", "meta": [1]}) + "\n")
     with pytest.raises(ValueError, match="row 1: field 'meta': expected a JSON object"):
-        synthetic.read_jsonl(tmp_path / "bad.jsonl")
+        embedded_task.read_jsonl(tmp_path / "bad.jsonl")
 
 
 # ------------------------------------------------------------------------------------------ data flow
@@ -110,8 +112,8 @@ def reward_model(tmp_path_factory):
 def test_reward_model_scores_the_generated_tokens_as_they_are(reward_model, records):
     from marlhf.data.formatting import PromptFormatter
     from marlhf.data.pipeline import encode_pair
-    from marlhf.eval.reward import Scorer
     from marlhf.models.forward import sequence_scores
+    from marlhf.rewards.reward_model import Scorer
 
     folder, tok, model = reward_model
     source = RewardModelSource(model, tok, eot="<|endoftext|>", prompt_format="raw", max_seq_len=512)
@@ -166,8 +168,8 @@ def test_text_sources_get_decoded_text_meta_and_end_flags(reward_model):
 
 
 def test_build_reward_source():
-    from marlhf.code.reward import ProgramTestReward
     from marlhf.rewards import require_meta
+    from marlhf.rewards.program_tests import ProgramTestReward
 
     assert isinstance(build_reward_source("gold", task=task_of_datasets(["synthetic:num_records=10"])), GoldScorer)
     with pytest.raises(ConfigError, match="needs a task with a gold scorer.*task is synthetic_code"):
@@ -206,7 +208,7 @@ def test_likelihood_scorer_sums_each_answer_tokens_log_probability(embedded, rec
     time from an unpadded forward over the tokens before it."""
     from transformers import AutoModelForCausalLM
 
-    from marlhf.eval.reward import LikelihoodScorer, _items
+    from marlhf.rewards.reward_model import LikelihoodScorer, _items
 
     scorer = LikelihoodScorer(str(embedded.model_dir))
     prompts = [r.prompt for r in records[:3]]

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from marlhf.generation import GenerationConfig, sample
+from marlhf.sampler import GenerationConfig, sample
 from marlhf.utils import rng
 
 

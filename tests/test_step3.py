@@ -82,7 +82,7 @@ def test_parsing_rule_with_the_benepar_parser_trains(nano, benepar_silver, tmp_p
     that are not canonical tokenizations cannot be aligned and fall back; they are counted.)"""
     import benepar
 
-    from marlhf.rlhf.parsing import backends
+    from marlhf.parsing import backends
 
     load_main(STEP3)(step3_argv(nano, tmp_path, "--termination_condition", "parsing", "--parser_backend", "benepar",
                                 "--parser_model", str(benepar_silver), "--max_steps", "1"))

@@ -219,7 +219,7 @@ def test_reward_model_loads_as_sequence_classifier(reward_run):
 def test_reward_model_with_likelihood_term(sft_run, tmp_path):
     """--likelihood_term: the exported folder scores prompt + answer as its score head plus α times the answer's
     log-likelihood under its next-token head; α is learnt; marlhf export keeps the term."""
-    from marlhf.eval.reward import LikelihoodScorer, Scorer, _items
+    from marlhf.rewards.reward_model import LikelihoodScorer, Scorer, _items
 
     out = tmp_path / "rm"
     load_main(STEP2)([*COMMON, "--model_name_or_path", str(sft_run), "--output_dir", str(out),

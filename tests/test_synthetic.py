@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from marlhf.data import synthetic
 from marlhf.data.records import DataError, Record
-from marlhf.data.synthetic import (
+from marlhf.embedded import task as embedded_task
+from marlhf.embedded.task import (
     COPY_ALLOWANCE,
     COPY_SCALE,
     EXTRAS,
@@ -278,13 +278,13 @@ def test_gold_scores_and_bad_inputs():
 
 def test_vocabulary_items_never_match_inside_each_other_or_template_text():
     """The scorer's premise: a whole-word match of an item is unambiguous evidence of that one fact."""
-    keys = {synthetic._key(x).lower(): slot for slot, items in VOCAB_SLOTS.items() for x in items}
+    keys = {embedded_task._key(x).lower(): slot for slot, items in VOCAB_SLOTS.items() for x in items}
     assert len(keys) == sum(len(v) for v in VOCAB_SLOTS.values())  # no item in two slots
     for key in keys:
         others = [k for k in keys if k != key and re.search(rf"\b{re.escape(k)}\b", key)]
         assert not others, (key, others)
     for text in FILLERS + EXTRAS + SUBREDDITS:
-        assert synthetic._scan(text.lower()) == [], text
+        assert embedded_task._scan(text.lower()) == [], text
 
 
 def test_same_seed_same_records_other_seed_different():
@@ -304,7 +304,7 @@ def test_records_are_readable_posts_with_space_led_summaries():
         )
         assert r.chosen.startswith(" ") and r.rejected.startswith(" ") and r.chosen != r.rejected
         slots = [slot for slot, _ in parse_post(r.prompt).key]
-        assert sorted(slots) == sorted(synthetic.KEY_SLOTS)  # every post states all seven key facts
+        assert sorted(slots) == sorted(embedded_task.KEY_SLOTS)  # every post states all seven key facts
         assert slots[3:] == ["pet", "problem", "tried", "question"]  # after the intro's varied order
         assert gold_score(r.prompt, oracle_summary(r.prompt)) == pytest.approx(1.0)
 
@@ -343,7 +343,7 @@ def test_sft_chosen_is_good_but_leaves_room(noisy_and_clean):
 
 
 def test_response_token_lengths_with_the_project_tokenizer(tmp_path, noisy_and_clean):
-    from marlhf.models.tokenizer import train_tokenizer
+    from marlhf.embedded.tokenizer import train_tokenizer
 
     records = noisy_and_clean[0][:1000]
     tok = train_tokenizer([t for r in records for t in (r.prompt, r.chosen, r.rejected)], tmp_path, 2000)
@@ -417,8 +417,8 @@ def test_generated_records_are_cached_by_settings_and_generator(tmp_path, monkey
     from marlhf.data.adapters import loader
 
     monkeypatch.setenv("MARLHF_HOME", str(tmp_path))
-    cfg = synthetic.SyntheticConfig(num_records=30, seed=11)
-    fresh = synthetic.generate(cfg)
+    cfg = embedded_task.SyntheticConfig(num_records=30, seed=11)
+    fresh = embedded_task.generate(cfg)
     assert loader.synthetic_records(cfg) == fresh
     files = list((tmp_path / "records").glob("*.jsonl"))
     assert len(files) == 1 and len(files[0].read_text().splitlines()) == 30
@@ -426,7 +426,7 @@ def test_generated_records_are_cached_by_settings_and_generator(tmp_path, monkey
     def no_generation(_cfg):
         raise AssertionError("generated again instead of read from the cache")
 
-    monkeypatch.setattr(synthetic, "generate", no_generation)
+    monkeypatch.setattr(embedded_task, "generate", no_generation)
     cached = loader.synthetic_records(cfg)
     assert cached == fresh and cached[3].meta == fresh[3].meta  # the facts and flaws the gold scorer reads
     with pytest.raises(AssertionError, match="generated again"):  # other settings: another file

@@ -10,12 +10,13 @@ import pytest
 
 from marlhf.data.adapters import available_datasets
 from marlhf.data.adapters.rows import ASSISTANT, HUMAN, apps_prompt, tldr_prompt
-from marlhf.eval.judge import parse_verdict, render_template
+from marlhf.eval.judge import parse_verdict
+from marlhf.rewards.gold import GoldScorer, gold_of
 from marlhf.tasks import (
-    GoldScorer,
     TaskError,
     list_tasks,
     load_task,
+    render_template,
     resolve_task,
     response_kind,
     shell_values,
@@ -121,8 +122,8 @@ def test_response_kind_and_gold_scorer_come_from_the_task():
     assert response_kind("auto", None, "program_tests") == "code"  # no task: programs are graded, so code
     assert response_kind("auto", None, "reward_model") == "text"
     assert response_kind("text", code, "program_tests") == "text"  # the flag wins
-    assert isinstance(synthetic.gold(), GoldScorer)
-    assert [load_task(n).gold() for n in ("code", "dialogue", "qa", "summarization", "synthetic_code")] == [None] * 5
+    assert isinstance(gold_of(synthetic), GoldScorer) and gold_of(None) is None
+    assert [gold_of(load_task(n)) for n in ("code", "dialogue", "qa", "summarization", "synthetic_code")] == [None] * 5
 
 
 def test_the_launch_scripts_read_the_registry():

@@ -40,7 +40,7 @@ def experience(tmp_path_factory):
     handles = [t.rlhf.critic.module.score.register_forward_hook(position_head),
                t.rlhf.reward.module.score.register_forward_hook(position_head)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("marlhf.generation.answer_mask", ended_at)
+        mp.setattr("marlhf.sampler.answer_mask", ended_at)
         exp, stats = t.make_experience(ids, mask, step=0)
     for h in handles:
         h.remove()

@@ -1,4 +1,4 @@
-"""Generation from a ZeRO-3 actor (marlhf.generation.sample) on two CPU ranks.
+"""Generation from a ZeRO-3 actor (marlhf.sampler.sample) on two CPU ranks.
 
 * ``gather``: the parameters are gathered once and ZeRO-3's per-layer hooks are off for the call — counted: no
   parameter fetch at all while generating (gathered with ``GatheredParameters`` alone, the hooks fetched every
@@ -71,7 +71,7 @@ def _gathered_weights(engine) -> dict:
 def _body(rank: int, folder: str, mode: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from marlhf.generation import GenerationConfig, sample
+    from marlhf.sampler import GenerationConfig, sample
 
     ids, mask = left_padded(PROMPTS)
     vocab = AutoModelForCausalLM.from_pretrained(folder).config.vocab_size

@@ -15,8 +15,9 @@ COMMANDS = {
     "ppo": ("ppo", "step 3: RLHF with MA-PPO (PPO over macro actions; --ngram 1 is vanilla PPO), GRPO, RLOO"),
     "quickstart": ("quickstart", "the main job: steps 1 -> 2 -> 3 as the launch scripts run them, then a summary"),
     "generate": ("generate", "sample a policy's answers to prompts into a resumable JSON-lines file"),
-    "rm-eval": ("rm_eval", "score generations with a reward model (and the gold scorer): distributions"),
-    "rw-eval": ("rw_eval", "score prompt/response pairs with a step-2 reward model; pair accuracy"),
+    "score-pairs": ("score_pairs", "a reward model's score of each prompt/response pair; accuracy on chosen/rejected"),
+    "score-policies": ("score_policies", "several policies' generations scored by a reward model (and the gold "
+                       "scorer): distributions, shifts against a baseline"),
     "eval-policy": ("eval_policy", "held-out evaluation of any policy exactly as step 3 evaluates its actor"),
     "judge": ("judge", "pairwise win rate of two policies by an LLM judge, a reward model or the gold scorer"),
     "best-of-n": ("best_of_n", "best-of-N sampling scored by a reward model, over N and temperature"),
@@ -25,3 +26,6 @@ COMMANDS = {
     "chat": ("chat", "talk to a policy, turn by turn"),
     "export": ("export", "export a step's output (or checkpoint) as a Hugging Face folder with a model card"),
 }
+
+# earlier names, still accepted: rw-eval is DeepSpeed-Chat's (training/step2_reward_model_finetuning/rw_eval.py)
+RENAMED = {"rw-eval": "score-pairs", "rm-eval": "score-policies"}

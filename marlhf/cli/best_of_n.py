@@ -23,8 +23,9 @@ import torch
 
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.best_of_n import best_of_n, plot, table_rows, to_csv, to_markdown
-from marlhf.eval.generate import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, batch_seed
-from marlhf.eval.reward import Scorer, gold_scorer
+from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, batch_seed
+from marlhf.rewards.gold import gold_scorer
+from marlhf.rewards.reward_model import Scorer
 
 log = logging.getLogger("marlhf")
 

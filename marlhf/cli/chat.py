@@ -17,7 +17,7 @@ import sys
 
 from marlhf.errors import run_cli
 from marlhf.eval.chat import ChatSession
-from marlhf.eval.generate import LoadedPolicy, add_sampling_args
+from marlhf.eval.generate_tool import LoadedPolicy, add_sampling_args
 from marlhf.tasks import load_task
 
 USER_PROMPT = "You> "

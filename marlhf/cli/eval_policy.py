@@ -21,12 +21,12 @@ from marlhf.config import PolicyEvalArgs, parse_args
 from marlhf.data.formatting import check_same_format
 from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part
 from marlhf.errors import run_cli
-from marlhf.eval.generate import policy_folder
+from marlhf.eval.generate_tool import policy_folder
 from marlhf.eval.policy import evaluate_policy
-from marlhf.generation import GenerationConfig
 from marlhf.models.loading import load_causal_lm, load_options, load_reward_model, resolve_model_path, stop_token_ids
 from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
 from marlhf.rlhf.sections import EvalSection
+from marlhf.sampler import GenerationConfig
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
 

@@ -45,8 +45,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    from marlhf.embedded import default_model
+
     out = export_step_output(args.input, args.output_dir, args.model, args.base_model, args.dtype, args.overwrite,
-                             args.from_checkpoint)
+                             args.from_checkpoint, default_base=lambda: default_model(""))
     print(out)
     return 0
 

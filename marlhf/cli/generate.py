@@ -13,7 +13,7 @@ evaluates on) or ``--split train`` (step 3's share; with ``--phase 2`` step 2's,
 
 Each row: ``prompt_id``, ``sample`` (0 … N-1), ``prompt``, ``response``, ``ended`` (stopped at the end token),
 ``length`` (answer tokens, end token included), ``seed`` (the batch's) and ``policy`` (``--policy_name``) —
-what ``marlhf rm-eval``, ``judge`` and ``label`` read.  A stopped run started again with the same flags continues
+what ``marlhf score-policies``, ``judge`` and ``label`` read.  A stopped run started again with the same flags continues
 where it stopped and ends with the same file as an uninterrupted run (``--overwrite`` starts over).
 """
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from marlhf.errors import run_cli
-from marlhf.eval.generate import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, generate_file
+from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, generate_file
 
 
 def parse_args(argv=None):

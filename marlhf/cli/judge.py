@@ -27,7 +27,7 @@ from pathlib import Path
 
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.records import DataError, require_text
-from marlhf.data.synthetic import gold_scores
+from marlhf.embedded.task import gold_scores
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.judge import ChatCompletionsJudge, ScorerJudge, compare_policies, summarize
 from marlhf.tasks import load_task
@@ -65,13 +65,13 @@ def read_pairs(path_a: str, path_b: str) -> list[tuple[str, str, str]]:
 def local_judge(kind: str, reward_model: str, tie_margin: float, batch_size: int, device: str = "auto",
                 dtype: str = "auto", attn_implementation: str = "auto"):
     """A reward model or the embedded task's gold scorer as the judge (the higher score wins); the reward model on
-    ``device`` in ``dtype`` (:mod:`marlhf.eval.placement`) with ``attn_implementation``."""
+    ``device`` in ``dtype`` (:mod:`marlhf.models.placement`) with ``attn_implementation``."""
 
     if kind == "reward_model":
         if not reward_model:
             raise ConfigError("--judge reward_model needs --reward_model (a step-2 output folder)")
-        from marlhf.eval.reward import Scorer
         from marlhf.models.loading import attention_implementation
+        from marlhf.rewards.reward_model import Scorer
 
         with attention_implementation(attn_implementation):
             rm = Scorer(reward_model, device=device, dtype=dtype)

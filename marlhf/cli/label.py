@@ -8,7 +8,7 @@
 folder, e.g. a larger one).  Each pair of a prompt's answers (0-1, 2-3, ...; all of them with ``--pairing all``;
 those the annotator scores equal dropped with ``--ties drop``) is labelled a ≻ b with probability
 σ((g_a − g_b)/τ).  Writes ``train.jsonl`` and ``test.jsonl`` (``--eval_fraction`` of the prompts held out: the
-reward model's accuracy on the policy's own answers, ``marlhf rw-eval --input OUT/test.jsonl``) and
+reward model's accuracy on the policy's own answers, ``marlhf score-pairs --input OUT/test.jsonl``) and
 ``label.json``.  Run again with the same inputs, it finds ``label.json`` and does nothing.
 
 Several ``--generations`` files (answers of different policies to the same prompts) are pooled per prompt, the
@@ -57,12 +57,12 @@ def annotator(spec: str):
     """The scorer behind ``--annotator``: (prompts, responses, ended) -> scores."""
     kind, _, arg = spec.partition(":")
     if kind == "gold" and not arg:
-        from marlhf.tasks import GoldScorer
+        from marlhf.rewards.gold import GoldScorer
 
         gold = GoldScorer()
         return lambda prompts, responses, ended: gold(list(prompts), list(responses), list(ended))
     if kind == "reward_model" and arg:
-        from marlhf.eval.reward import Scorer
+        from marlhf.rewards.reward_model import Scorer
 
         rm = Scorer(arg)
         return lambda prompts, responses, ended: rm(list(prompts), list(responses))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from marlhf.cli import COMMANDS
+from marlhf.cli import COMMANDS, RENAMED
 from marlhf.errors import run_cli
 
 
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"marlhf {version()}")
         return 0
     name, rest = argv[0], argv[1:]
+    if name in RENAMED:
+        print(f"marlhf: '{name}' is now 'marlhf {RENAMED[name]}'", file=sys.stderr)
+        name = RENAMED[name]
     if name not in COMMANDS:
         close = [c for c in COMMANDS if c.replace("-", "_") == name.replace("-", "_")]
         hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -10,7 +10,7 @@ messages).  Answers are sampled through the generation seam and post-processed b
 from __future__ import annotations
 
 from marlhf.data.formatting import LongPromptPolicy
-from marlhf.eval.generate import LoadedPolicy, batch_seed
+from marlhf.eval.generate_tool import LoadedPolicy, batch_seed
 
 
 class ChatSession:

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from marlhf.tasks import VerdictFormat, render_template  # a task declares its judge's template and verdicts
+
 logger = logging.getLogger(__name__)
 
 FIRST, SECOND, TIE = "first", "second", "tie"  # positions as shown to the judge
@@ -60,32 +62,6 @@ class PairJudge(Protocol):
     def judge_pairs(self, pairs: Sequence[tuple[str, str, str]]) -> list[Judgement]:
         """One :class:`Judgement` per (prompt, first shown, second shown) triple, in order."""
         ...
-
-
-# ------------------------------------------------------------------------------------------- templates
-_PLACEHOLDER = re.compile(r"\{(prompt|response_a|response_b)\}")
-
-
-def render_template(template: str, prompt: str, response_a: str, response_b: str) -> str:
-    """Fill ``{prompt}``, ``{response_a}``, ``{response_b}`` in one pass (braces in the texts stay as they
-    are, and a response containing "{response_b}" is not substituted again)."""
-    missing = {"prompt", "response_a", "response_b"} - set(_PLACEHOLDER.findall(template))
-    if missing:
-        raise ValueError(f"judge template lacks the placeholders {sorted(missing)}")
-    values = {"prompt": prompt, "response_a": response_a, "response_b": response_b}
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
-
-
-# ---------------------------------------------------------------------------------------- verdict parsing
-@dataclasses.dataclass(frozen=True)
-class VerdictFormat:
-    """How a task's judge answers: the letters for first / second / tie and, for JSON answers, the key
-    holding the overall choice (F.1: "choice" for HH-RLHF; WebGPT's overall criterion)."""
-
-    first: str = "A"
-    second: str = "B"
-    tie: str = "E"
-    json_key: str = "choice"
 
 
 _JSON_OBJECT = re.compile(r"\{.*\}", re.S)

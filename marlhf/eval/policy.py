@@ -8,10 +8,10 @@ import math
 import torch
 
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, make_loader
-from marlhf.generation import GenerationConfig, decode_samples, sample
 from marlhf.rewards import score_samples
 from marlhf.rlhf.rollout import policy_logprobs
 from marlhf.rlhf.sections import EvalSection
+from marlhf.sampler import GenerationConfig, decode_samples, sample
 from marlhf.utils import dist
 from marlhf.utils.optim_step import all_reduce_sum
 from marlhf.utils.rng import isolated_rng

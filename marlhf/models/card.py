@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from marlhf.data.formatting import FORMAT_FILE, write_format
-from marlhf.embedded import default_model
 from marlhf.errors import ConfigError
 from marlhf.models.heads import attach_likelihood_term
 from marlhf.models.loading import (
@@ -255,9 +255,10 @@ def checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
 
 
-def _model_from_checkpoint(src: StepOutput, base_model: str):
+def _model_from_checkpoint(src: StepOutput, base_model: str, default_base: Callable[[], str] | None = None):
     """(model with the checkpoint's weights, LoRA merged; tokenizer; format), rebuilt as the run built it from
-    its recorded flags (args.json): base model, end token, prompt format, added tokens, LoRA."""
+    its recorded flags (args.json): base model, end token, prompt format, added tokens, LoRA.  ``default_base``:
+    the model an empty recorded path stands for (the entry point passes the embedded default's)."""
 
     args = _read_args(src.run_dir)
     if not args and not base_model:
@@ -273,8 +274,10 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
         uses_rm = args.get("reward_source", "reward_model") in ("reward_model", "rm")
         base = "" if uses_rm else recorded_value(args, "actor_model_name_or_path", "")
     tok_base = recorded_value(args, "actor_model_name_or_path", "") if src.step == 3 and not base_model else base
-    # a run recorded before run contexts existed left an empty path for the embedded model
-    base, tok_base = default_model(base), default_model(tok_base)
+    if not (base and tok_base):  # a run recorded before run contexts existed left the embedded model's path empty
+        if default_base is None:
+            raise ConfigError(f"{src.run_dir}/args.json records no base model; give --base_model")
+        base, tok_base = base or default_base(), tok_base or default_base()
     tok, fmt = load_tokenizer_and_format(tok_base, recorded_value(args, "end_of_conversation_token", ""),
                                          recorded_value(args, "prompt_format", "auto"),
                                          add_eot_token=bool(args.get("add_eot_token", False)))
@@ -307,10 +310,12 @@ def _model_from_checkpoint(src: StepOutput, base_model: str):
 
 
 def export_step_output(folder: str | Path, out_dir: str | Path, model: str = "actor", base_model: str = "",
-                       dtype: str = "auto", overwrite: bool = False, from_checkpoint: bool = False) -> Path:
+                       dtype: str = "auto", overwrite: bool = False, from_checkpoint: bool = False,
+                       default_base: Callable[[], str] | None = None) -> Path:
     """Write ``folder``'s model as a clean HF folder with a README.md model card into ``out_dir``.
     ``from_checkpoint``: take the weights from the run's (latest, or the given) DeepSpeed checkpoint instead
-    of its exported model — for a run stopped before its export; ZeRO partitions are merged, LoRA merged."""
+    of its exported model — for a run stopped before its export; ZeRO partitions are merged, LoRA merged;
+    ``default_base`` builds the model a recorded empty base path stands for."""
 
     src = locate_checkpoint(folder, model) if from_checkpoint else locate(folder, model)
     out_dir = Path(out_dir)
@@ -319,7 +324,7 @@ def export_step_output(folder: str | Path, out_dir: str | Path, model: str = "ac
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{out_dir} exists and is not empty (give --overwrite to replace it)")
     if from_checkpoint:
-        hf, tok, fmt = _model_from_checkpoint(src, base_model)
+        hf, tok, fmt = _model_from_checkpoint(src, base_model, default_base)
         if dtype != "auto":
             hf = hf.to(torch_dtype(dtype))
     else:

@@ -5,7 +5,7 @@ al., 2024), REINFORCE (Williams, 1992) and GRPO (Shao et al., 2024) (§3.2.3 "co
 C.3). Those baselines need no critic: the whole response is one action, scored once, and a baseline built
 from other samples replaces the value function.
 
-Layout (what :func:`marlhf.generation.sample` returns with ``num_samples = K``): N = G·K rows, rows
+Layout (what :func:`marlhf.sampler.sample` returns with ``num_samples = K``): N = G·K rows, rows
 i·K … i·K+K−1 answer prompt i (one *group*). A rank estimates advantages over the rows it generated itself,
 before they are cut into micro-batches, so a group is never split by micro-batching or ranks; a batch that
 holds a partial group is an error (:func:`groups`).

@@ -1,6 +1,6 @@
 """Rollout: one prompt batch → an :class:`Experience`, everything the PPO update needs (paper Algorithm 1).
 
-    sample answers (:func:`marlhf.generation.sample`)
+    sample answers (:func:`marlhf.sampler.sample`)
     → one forward each of actor, reference and critic on the full sequences        (:func:`forwards`)
     → the sequence score of each answer (the reward source)
     → per-token rewards: −β·(log π − log π_ref), plus the clipped score on the last real answer token
@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from marlhf.generation import GenerationConfig, Samples, sample
+from marlhf.sampler import GenerationConfig, Samples, sample
 from marlhf.models.forward import next_token_logits, position_ids_from_mask, token_values
 from marlhf.models.logprobs import token_logprobs
 from marlhf.rlhf.advantages import AdvantageBatch, AdvantageEstimator

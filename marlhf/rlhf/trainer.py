@@ -1,6 +1,6 @@
 """MA-PPO's training loop (paper Algorithm 1); each step a named call into one module:
 
-  1. sample answers for ``--generation_batches`` prompt batches       (:func:`marlhf.generation.sample`)
+  1. sample answers for ``--generation_batches`` prompt batches       (:func:`marlhf.sampler.sample`)
   2. one forward each of actor, reference, critic; score each answer  (:mod:`marlhf.rlhf.rollout`)
   3. termination rule → segment ids → advantages (macro GAE)        (:mod:`marlhf.rlhf.termination`,
                                                                         :mod:`marlhf.rlhf.advantages`)
@@ -18,8 +18,9 @@ import torch
 
 from marlhf import loop
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.generation import GenerationConfig, Samples
-from marlhf.rewards import RewardModelSource, RewardSource, score_samples
+from marlhf.sampler import GenerationConfig, Samples
+from marlhf.rewards import RewardSource, score_samples
+from marlhf.rewards.reward_model import RewardModelSource
 from marlhf.rlhf import macro
 from marlhf.rlhf.advantages import build_estimator
 from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema

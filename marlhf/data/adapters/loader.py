@@ -8,9 +8,9 @@ Spec grammar (one source; ``--data_path`` may hold several):
                       (``train.jsonl.gz``/``test.jsonl.gz``, ``train-00000-of-00001.parquet``, ... at any
                       depth; APPS: problem folders, or ``train/`` and ``test/`` folders of them);
 - ``PATH``            a local file or directory of rows with fields prompt / chosen / rejected (optional);
-- ``synthetic[:k=v,...]``  the project's embedded task (``marlhf.data.synthetic``), e.g.
+- ``synthetic[:k=v,...]``  the project's embedded task (``marlhf.embedded.task``), e.g.
                       ``synthetic:seed=7,num_records=500,label_noise=0.1``;
-- ``synthetic_code[:k=v,...]``  a generated code task in APPS layout (``marlhf.data.synthetic_code``), e.g.
+- ``synthetic_code[:k=v,...]``  a generated code task in APPS layout (``marlhf.embedded.code_task``), e.g.
                       ``synthetic_code:num_records=200``.
 
 ``load_records`` returns None when the source has no such split (the caller then holds out part of
@@ -343,9 +343,9 @@ def _load_synthetic(options_text: str, split: str, drops: Counter) -> list[Recor
     """The embedded task.  The test split is generated from seed + SYNTHETIC_TEST_SEED_OFFSET, and any test
     record whose prompt also occurs in train (possible by chance) is dropped and counted."""
     # lazy: the generator is only needed for this source
-    from marlhf.data import synthetic
+    from marlhf.embedded import task as embedded_task
 
-    cfg = synthetic.SyntheticConfig(**parse_synthetic_options(options_text, synthetic.SyntheticConfig))
+    cfg = embedded_task.SyntheticConfig(**parse_synthetic_options(options_text, embedded_task.SyntheticConfig))
     if split == "train":
         return synthetic_records(cfg)
     train_prompts = {r.prompt for r in synthetic_records(cfg)}
@@ -360,21 +360,21 @@ def _load_synthetic(options_text: str, split: str, drops: Counter) -> list[Recor
 
 
 def synthetic_records(cfg) -> list[Record]:
-    """``synthetic.generate(cfg)``, kept under ``$MARLHF_HOME/records`` after the first call: generating and
+    """``embedded_task.generate(cfg)``, kept under ``$MARLHF_HOME/records`` after the first call: generating and
     gold-scoring 4,000 pairs takes seconds, and steps 2 and 3 each read train and test.  The file is keyed
     by the settings and the generator's source, so a changed generator never reads old records; a home
     that cannot be written to only costs the time, and a generator with no source file is not cached."""
-    from marlhf.data import synthetic
+    from marlhf.embedded import task as embedded_task
     from marlhf.utils.cache import default_home
 
-    if not getattr(synthetic, "__file__", None):
-        return list(synthetic.generate(cfg))
-    source = Path(synthetic.__file__).read_bytes()
+    if not getattr(embedded_task, "__file__", None):
+        return list(embedded_task.generate(cfg))
+    source = Path(embedded_task.__file__).read_bytes()
     key = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode() + source)
     path = default_home() / "records" / f"synthetic-{key.hexdigest()[:20]}.jsonl"
     if path.is_file():
         return [Record(**json.loads(line)) for line in path.read_text().splitlines()]
-    records = list(synthetic.generate(cfg))
+    records = list(embedded_task.generate(cfg))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
@@ -387,7 +387,7 @@ def synthetic_records(cfg) -> list[Record]:
 
 def _load_synthetic_code(options_text: str) -> list[Record]:
     """The generated code task (train only: the caller holds out part of it for evaluation)."""
-    from marlhf.data import synthetic_code
+    from marlhf.embedded import code_task
 
-    options = parse_synthetic_options(options_text, synthetic_code.SyntheticCodeConfig)
-    return synthetic_code.generate(synthetic_code.SyntheticCodeConfig(**options))
+    options = parse_synthetic_options(options_text, code_task.SyntheticCodeConfig)
+    return code_task.generate(code_task.SyntheticCodeConfig(**options))

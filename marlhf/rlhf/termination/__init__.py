@@ -7,7 +7,7 @@ built once from the ``macro`` section of the step-3 settings and asked for the m
 A rule only decides where macro actions start; :class:`~marlhf.rlhf.segmentation.MacroSegmenter` turns the
 starts into segment ids (:func:`marlhf.rlhf.macro.segments_from_starts`), and the maths after it (macro values,
 rewards, GAE) does not know which rule ran.  The tensor functions behind the rules live in
-:mod:`marlhf.rlhf.macro` (and :mod:`marlhf.rlhf.parsing`) and are tested against loop references there.
+:mod:`marlhf.rlhf.macro` (and :mod:`marlhf.parsing`) and are tested against loop references there.
 
 Adding a rule: a new module here with a :class:`TerminationRule` subclass decorated with ``@register("name")``
 (this package imports every module in it), and its test.  ``--termination_condition`` accepts every

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from marlhf.rlhf.parsing import ParseSegmenter
+from marlhf.parsing import ParseSegmenter
 from marlhf.rlhf.termination import Answers, TerminationRule, register
 
 

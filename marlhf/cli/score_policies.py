@@ -2,7 +2,7 @@
 embedded task, its gold scorer), print per-policy statistics and mean shifts against a baseline policy,
 write a JSON report and a PNG of the distributions (the paper's Figs. 3 and 10).
 
-    marlhf rm-eval --reward_model out/step2 --generations sft.jsonl ppo.jsonl ma_ppo.jsonl \\
+    marlhf score-policies --reward_model out/step2 --generations sft.jsonl ppo.jsonl ma_ppo.jsonl \\
         --baseline sft --output_json report.json --output_png scores.png
 
 Generations: JSON lines with ``prompt``, ``response`` and ``policy`` per row (one file per policy, or one
@@ -17,8 +17,6 @@ import logging
 import sys
 
 from marlhf.errors import ConfigError, run_cli
-from marlhf.eval.placement import add_placement_args
-from marlhf.eval.reward import Scorer, gold_scorer
 from marlhf.eval.score_report import (
     build_report,
     format_report,
@@ -27,6 +25,9 @@ from marlhf.eval.score_report import (
     score_policies,
     write_report,
 )
+from marlhf.models.placement import add_placement_args
+from marlhf.rewards.gold import gold_scorer
+from marlhf.rewards.reward_model import Scorer
 
 log = logging.getLogger("marlhf")
 

@@ -23,10 +23,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from marlhf.data import synthetic
 from marlhf.data.adapters.loader import synthetic_records
-from marlhf.models.tiny import TINY_SIZES, create_tiny_model  # cheap: torch/transformers load lazily
-from marlhf.models.tokenizer import train_tokenizer
+from marlhf.embedded import task as embedded_task
+from marlhf.embedded.model import TINY_SIZES, create_tiny_model  # cheap: torch/transformers load lazily
+from marlhf.embedded.tokenizer import train_tokenizer
 from marlhf.utils.cache import build_atomically, check_complete, default_home
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class EmbeddedPaths:
 def task_key(seed: int, num_records: int, label_noise: float, vocab_size: int) -> str:
     """Folder name of a task setting: different settings (or task versions) never share files."""
     return (
-        f"embedded-v{synthetic.TASK_VERSION}-seed{seed}-n{num_records}-noise{label_noise:g}-vocab{vocab_size}"
+        f"embedded-v{embedded_task.TASK_VERSION}-seed{seed}-n{num_records}-noise{label_noise:g}-vocab{vocab_size}"
     )
 
 
@@ -72,7 +72,7 @@ def prepare(
     """
     if size not in TINY_SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; valid sizes: {', '.join(TINY_SIZES)}")
-    cfg = synthetic.SyntheticConfig(seed=seed, num_records=num_records, label_noise=label_noise)  # validates
+    cfg = embedded_task.SyntheticConfig(seed=seed, num_records=num_records, label_noise=label_noise)  # validates
     home = Path(root) if root is not None else default_home()
     task_dir = home / task_key(seed, num_records, label_noise, vocab_size)
     model_dir = task_dir / "models" / f"{size}-seed{seed}"
@@ -106,19 +106,19 @@ def default_model(path: str) -> str:
     return path or str(prepare().model_dir)
 
 
-def _build_task(out: Path, cfg: synthetic.SyntheticConfig, vocab_size: int) -> None:
+def _build_task(out: Path, cfg: embedded_task.SyntheticConfig, vocab_size: int) -> None:
     """Records, tokenizer trained on all their text, and a manifest with measured statistics."""
 
     out.mkdir(parents=True)
     logger.info("generating %d records (seed %d, label noise %g)", cfg.num_records, cfg.seed, cfg.label_noise)
     records = synthetic_records(cfg)
-    synthetic.write_jsonl(records, out / DATA_FILE)
+    embedded_task.write_jsonl(records, out / DATA_FILE)
     texts = [t for r in records for t in (r.prompt, r.chosen, r.rejected)]
     logger.info("training a %d-token tokenizer on %d texts", vocab_size, len(texts))
     tokenizer = train_tokenizer(texts, out / TOKENIZER_DIR, vocab_size=vocab_size, seed=cfg.seed)
     stats = task_statistics(records, tokenizer)
     manifest = {
-        "task_version": synthetic.TASK_VERSION,
+        "task_version": embedded_task.TASK_VERSION,
         "config": dataclasses.asdict(cfg),
         "vocab_size": vocab_size,
         "statistics": stats,
@@ -129,8 +129,8 @@ def _build_task(out: Path, cfg: synthetic.SyntheticConfig, vocab_size: int) -> N
 
 def task_statistics(records: list, tokenizer) -> dict:
     """Measured label-flip rate, gold scores and token lengths (recorded in the manifest)."""
-    chosen = [synthetic.gold_score(r.prompt, r.chosen) for r in records]
-    rejected = [synthetic.gold_score(r.prompt, r.rejected) for r in records]
+    chosen = [embedded_task.gold_score(r.prompt, r.chosen) for r in records]
+    rejected = [embedded_task.gold_score(r.prompt, r.rejected) for r in records]
     responses = [x for r in records for x in (r.chosen, r.rejected)]
     resp_len = [len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"]]
     prompt_len = [len(ids) for ids in tokenizer([r.prompt for r in records])["input_ids"]]

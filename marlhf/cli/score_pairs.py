@@ -1,9 +1,9 @@
 """Score prompt/response pairs with a step-2 reward model.
 
-    marlhf rw-eval --model_name_or_path out/rm --prompt "POST: ...\\nTL;DR:" \\
+    marlhf score-pairs --model_name_or_path out/rm --prompt "POST: ...\\nTL;DR:" \\
         --response " a summary" --response " another summary"
-    marlhf rw-eval --model_name_or_path out/rm --input pairs.jsonl --output scores.jsonl
-    marlhf rw-eval --model_name_or_path out/rm --data_path Anthropic/hh-rlhf:/data/hh-rlhf
+    marlhf score-pairs --model_name_or_path out/rm --input pairs.jsonl --output scores.jsonl
+    marlhf score-pairs --model_name_or_path out/rm --data_path Anthropic/hh-rlhf:/data/hh-rlhf
 
 An input file (json, jsonl or parquet) has rows with `prompt` and either `response`, or `chosen` and
 `rejected` (then the pair accuracy is reported too).  ``--data_path`` takes the dataset specs of training
@@ -25,8 +25,8 @@ from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.pipeline import phase_records
 from marlhf.data.records import BadRowPolicy, DataError, require_text
 from marlhf.errors import run_cli
-from marlhf.eval.placement import add_placement_args
-from marlhf.eval.reward import Scorer
+from marlhf.models.placement import add_placement_args
+from marlhf.rewards.reward_model import Scorer
 
 
 def parse_args(argv=None):

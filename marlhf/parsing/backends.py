@@ -11,7 +11,7 @@ RuntimeError that says what to install.
 - `benepar`: Berkeley Neural Parser constituency trees over spaCy's words and sentences, loaded through
   `benepar.Parser(name or path)`: the model the user names, else the released `benepar_en3` if it is
   installed (nltk_data/models), else the small model the project builds offline and caches
-  (`marlhf.rlhf.parsing.benepar_model`, silver trees; built on first use).
+  (`marlhf.parsing.benepar_model`, silver trees; built on first use).
 - `treesitter`: tree-sitter-python syntax tree; parses unfinished code (ERROR nodes still have spans);
   statements (children of module/block/decorated_definition) are the barriers.
 - `redbaron`: baron's full syntax tree (the paper's choice); fails on unfinished code and on syntax newer
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from marlhf.rlhf.parsing.benepar_model import prepare
-from marlhf.rlhf.parsing.core import Node
-from marlhf.rlhf.parsing.installed import (  # noqa: F401  (spacy_model_available: part of this module's API)
+from marlhf.parsing.benepar_model import prepare
+from marlhf.parsing.core import Node
+from marlhf.parsing.installed import (  # noqa: F401  (spacy_model_available: part of this module's API)
     DEFAULT_BENEPAR_MODEL,
     DEFAULT_SPACY_MODEL,
     has_module,
@@ -183,7 +183,7 @@ def _load_benepar(model: str) -> Any:
                 f"nltk_data/models). Install a released one (python -c \"import benepar; "
                 f"benepar.download('{DEFAULT_BENEPAR_MODEL}')\" on a machine with internet, then copy "
                 "nltk_data/models), build the project's offline one (python -m "
-                "marlhf.rlhf.parsing.benepar_model) and pass its folder, or use backend='spacy'"
+                "marlhf.parsing.benepar_model) and pass its folder, or use backend='spacy'"
             )
         import benepar
 

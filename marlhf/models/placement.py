@@ -1,4 +1,4 @@
-"""Where the inference tools (generate, chat, best_of_n, rm_eval, rw_eval, judge) run their model: the one
+"""Where the inference tools (generate, chat, best_of_n, score_policies, score_pairs, judge) run their model: the one
 copy of ``--device`` / ``--dtype``.
 
 ``auto`` picks the GPU when there is one and, on a GPU with bfloat16 (Ampere and later), bf16 — half the

@@ -2,7 +2,7 @@
 
 The tools of ``inference/`` (``generate``, ``chat``, ``best_of_n``) load a policy the same way
 (:class:`LoadedPolicy`: any HF folder, a step's output — step 3's ``actor/`` picked automatically — or the
-embedded default) and sample through the one generation seam, :func:`marlhf.generation.sample`.
+embedded default) and sample through the one generation seam, :func:`marlhf.sampler.sample`.
 
 Resumability (:func:`generate_file`): prompts are cut into fixed batches; batch ``b`` is sampled under its
 own seed (``batch_seed(seed, b)``), so what it produces does not depend on the batches before it or on the
@@ -32,10 +32,10 @@ from marlhf.data.pipeline import _pad, phase_records
 from marlhf.data.records import BadRowPolicy, DataError, require_text
 from marlhf.embedded import default_model
 from marlhf.errors import ConfigError
-from marlhf.eval.placement import add_placement_args, resolve_placement
-from marlhf.generation import GenerationConfig, decode_samples, sample
 from marlhf.models.card import STEP3_MODELS, locate
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, resolve_model_path, stop_token_ids
+from marlhf.models.placement import add_placement_args, resolve_placement
+from marlhf.sampler import GenerationConfig, decode_samples, sample
 from marlhf.utils import events
 
 log = logging.getLogger("marlhf")
@@ -111,7 +111,7 @@ class LoadedPolicy:
 
     def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = "auto",
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
-        """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.eval.placement`)."""
+        """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`)."""
 
         self.placement = resolve_placement(device, dtype)
         self.path = policy_folder(path, model)

@@ -24,7 +24,7 @@ Layout under the home folder (``$MARLHF_HOME`` or ``~/.cache/marlhf``, as the em
 
 Built in a temporary sibling and renamed into place (`marlhf.utils.cache.build_atomically`).
 
-CLI: ``python -m marlhf.rlhf.parsing.benepar_model [--root R] [--seed S] [--steps K] [--force] [--json]``
+CLI: ``python -m marlhf.parsing.benepar_model [--root R] [--seed S] [--steps K] [--force] [--json]``
 (more ``--steps`` give a better parser; the default keeps the build to about two minutes on 2 cores).
 """
 
@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from marlhf.rlhf.parsing.installed import DEFAULT_SPACY_MODEL, spacy_model_available
+from marlhf.parsing.installed import DEFAULT_SPACY_MODEL, spacy_model_available
 from marlhf.utils.cache import build_atomically, check_complete, default_home
 from marlhf.utils.rng import isolated_rng
 
@@ -394,7 +394,7 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m marlhf.rlhf.parsing.benepar_model",
+    ap = argparse.ArgumentParser(prog="python -m marlhf.parsing.benepar_model",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=None, help="home folder (default: $MARLHF_HOME or ~/.cache/marlhf)")
     ap.add_argument("--seed", type=int, default=0)

@@ -6,9 +6,9 @@
     seg.stats()                                    # fallback counters for the logs
 """
 
-from marlhf.rlhf.parsing.backends import ParseFailure, available_backends
-from marlhf.rlhf.parsing.core import AlignmentError, Macro, Node, segment_tree, token_anchors
-from marlhf.rlhf.parsing.segmenter import ParseSegmenter, SampleSegmentation, resolve_backend
+from marlhf.parsing.backends import ParseFailure, available_backends
+from marlhf.parsing.core import AlignmentError, Macro, Node, segment_tree, token_anchors
+from marlhf.parsing.segmenter import ParseSegmenter, SampleSegmentation, resolve_backend
 
 __all__ = [
     "AlignmentError",

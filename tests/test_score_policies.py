@@ -1,4 +1,4 @@
-"""marlhf rm-eval: per-policy reward statistics equal a hand computation over directly computed
+"""marlhf score-policies: per-policy reward statistics equal a hand computation over directly computed
 scores, shifts are relative to the baseline, the gold scorer joins on the embedded task, the PNG is a real
 image, and bad rows / unknown baselines are one-line user errors."""
 
@@ -10,13 +10,13 @@ import torch
 from conftest import load_main, save_seeded_reward_model
 
 from marlhf.data.records import DataError
-from marlhf.data.synthetic import SyntheticConfig, generate, gold_score
+from marlhf.embedded.task import SyntheticConfig, generate, gold_score
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.score_report import read_generations, summarize
 from marlhf.models.forward import sequence_scores
 from marlhf.models.loading import load_tokenizer, load_value_model
 
-RM_EVAL = "rm_eval"
+SCORE_POLICIES = "score_policies"
 EOT = "<|endoftext|>"
 
 
@@ -69,7 +69,7 @@ def hand_stats(values):
 def test_report_statistics_shifts_gold_and_png(reward_model, generations, tmp_path, capsys):
     folder, rows = generations
     out_json, out_png = tmp_path / "report.json", tmp_path / "scores.png"
-    rc = load_main(RM_EVAL)(["--reward_model", str(reward_model), "--generations", str(folder / "sft.jsonl"),
+    rc = load_main(SCORE_POLICIES)(["--reward_model", str(reward_model), "--generations", str(folder / "sft.jsonl"),
                              str(folder / "mixed.jsonl"), "--baseline", "sft", "--output_json", str(out_json),
                              "--output_png", str(out_png), "--batch_size", "4"])
     assert rc == 0
@@ -116,7 +116,7 @@ def test_bad_rows_and_baseline_are_user_errors(reward_model, generations, tmp_pa
         read_generations([bad])
     with pytest.raises(ConfigError, match="does not exist"):
         read_generations([tmp_path / "nope.jsonl"])
-    main = load_main(RM_EVAL)
+    main = load_main(SCORE_POLICIES)
     argv = ["--reward_model", str(reward_model), "--generations", str(folder / "sft.jsonl"), "--gold", "off"]
     assert run_cli(main, [*argv, "--baseline", "ppo"]) == 1
     assert "--baseline 'ppo' is not one of the policies: sft" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from marlhf.rlhf.parsing.backends import (
+from marlhf.parsing.backends import (
     BACKENDS,
     CODE_BACKENDS,
     DEFAULT_BENEPAR_MODEL,
@@ -23,7 +23,7 @@ from marlhf.rlhf.parsing.backends import (
     ParseFailure,
     benepar_model_available,
 )
-from marlhf.rlhf.parsing.core import AlignmentError, Macro, Node, segment_tree, token_anchors
+from marlhf.parsing.core import AlignmentError, Macro, Node, segment_tree, token_anchors
 
 logger = logging.getLogger(__name__)
 
