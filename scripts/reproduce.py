@@ -10,6 +10,10 @@ held-out gold score, RM score, KL and length recorded every ``--eval_interval`` 
     python scripts/reproduce.py                      # the full sweep (resumable: rerun to continue)
     python scripts/reproduce.py --quick              # minutes: 2 variants x 2 seeds x a few steps
     python scripts/reproduce.py --report_only        # regenerate docs/results.md from the recorded runs
+    python scripts/reproduce.py --out runs/repro --pack docs/results/records/NAME.jsonl.gz   # keep them in git
+
+docs/results.md's first lines say the command that wrote it: ``--report_only --records
+docs/results/records/runs_v2.jsonl.gz`` reads the runs from the pack kept in git (scripts/lab/records.py).
 
 1. steps 1–2 once (the quick start's launch scripts; or ``--sft`` / ``--rm`` to reuse models),
 2. with ``--tune_grid`` (the gold reward: ``--tune_grid_gold``, its KL coefficients scaled to the gold score's
@@ -34,6 +38,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -124,13 +129,23 @@ def parse_args(argv=None):
                    "(tiny runs use several cores poorly; results do not depend on it beyond float rounding).")
     p.add_argument("--records", help="Keep the small files every finished run is read from (summary, metrics, "
                    "args; DPO's and the real-model track's results) and the sweep's SFT and reward model in this "
-                   "folder, e.g. docs/results/runs, so the sweep outlives the machine: a later call with an empty "
-                   "--out restores the models and the finished runs and runs only what is missing (runs are only "
-                   "restored for the SFT and reward model whose weights' digests are recorded); "
-                   "'--report_only --out RECORDS' writes the report from the records alone.")
+                   "folder, e.g. runs/records_v3 (not in git), so the sweep outlives the machine: a later call with "
+                   "an empty --out restores the models and the finished runs and runs only what is missing (runs "
+                   "are only restored for the SFT and reward model whose weights' digests are recorded); "
+                   "'--report_only --out RECORDS' writes the report from the records alone.  A pack (a .gz file "
+                   "written by --pack, e.g. docs/results/records/runs_v2.jsonl.gz) is read with --report_only: "
+                   "the report from the pack's runs, its paths shown under --out.")
+    p.add_argument("--pack", metavar="FILE", help="Write the records of --records (a folder; default --out) into "
+                   "one pack FILE (gzip'd JSON lines: each run's path, args, summary and curve; no weights), run "
+                   "nothing else.  The packs of the reported sweeps are docs/results/records/*.jsonl.gz.")
     p.add_argument("--lock", help="Take this file lock (flock) around each run, so other heavy jobs on a shared "
                    "machine interleave between runs instead of skewing their timings.")
     args = p.parse_args(argv)
+    if args.records and sweep_records.is_pack(args.records) and not args.report_only:
+        p.error(f"--records {args.records}: a pack is only read, with --report_only (to continue its sweep, unpack "
+                "it into a records folder: scripts/lab/records.py unpack, and pass that folder)")
+    if args.pack and not sweep_records.is_pack(args.pack):
+        p.error(f"--pack {args.pack}: a pack's name ends in .gz (e.g. docs/results/records/NAME.jsonl.gz)")
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     defaults = QUICK if args.quick else FULL
@@ -477,7 +492,20 @@ def missing_runs(specs: list[sweep.RunSpec]) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    root = Path(args.out).resolve()
+    if args.pack:
+        source = Path(args.records or args.out)
+        n = sweep_records.pack(source, Path(args.pack))
+        print(f"packed {n} folders of {source} into {args.pack} ({Path(args.pack).stat().st_size} bytes)")
+        return 0
+    if args.records and sweep_records.is_pack(args.records):
+        with tempfile.TemporaryDirectory(prefix="records-") as tmp:
+            sweep_records.unpack(Path(args.records), Path(tmp))
+            return sweep_main(args, argv, Path(tmp).resolve())
+    return sweep_main(args, argv, Path(args.out).resolve())
+
+
+def sweep_main(args, argv, root: Path) -> int:
+    """The sweep under ``root`` (--out, or a pack's runs unpacked), its paths shown under --out in the report."""
     known = {f.name for f in fields(RLHFArgs)}
     unavailable = {v: sweep.VARIANTS[v].needs for v in args.variants if not sweep.VARIANTS[v].available(known)}
     variants = [v for v in args.variants if v not in unavailable]
@@ -529,7 +557,9 @@ def main(argv=None) -> int:
                                               "dpo_steps", "tune_seeds")}
     settings["tune_grids"] = {r: args.tune_grid_gold if r == "gold" else args.tune_grid for r in args.rewards}
     invocation = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
-    commands = [c.replace(f"{REPO}/", "") for c in commands]  # run from the checkout: its paths relative to it
+    shown = Path(args.out).resolve()  # a pack's runs: their paths as --out's
+    # run from the checkout: its paths relative to it
+    commands = [c.replace(f"{root}/", f"{shown}/").replace(f"{REPO}/", "") for c in commands]
     path = write_report(Path(args.report), results, settings=settings, commands=commands,
                         missing=missing_runs(sweep.missing(all_specs)), unavailable=unavailable,
                         invocation=invocation, real=real, dpo=dpo, tuning=tuning,

@@ -3,7 +3,7 @@
 A sweep's run folders hold checkpoints and models (gigabytes); its report reads only a handful of small
 files per run (``summary.json``, ``initial_policy.json``, ``metrics.jsonl``, ``args.json``).  ``archive``
 copies those of every finished run into a records folder with the same layout, so the folder can be
-committed and the sweep continued on another machine or in another session: ``restore`` copies them back
+carried and the sweep continued on another machine or in another session: ``restore`` copies them back
 into a fresh ``--out`` (finished runs are then skipped), and ``scripts/reproduce.py --report_only --out
 RECORDS`` writes the report from the records alone.
 
@@ -13,10 +13,16 @@ from two starting points in one table.  Retraining steps 1–2 does not give tho
 machine (measured: the same code and command gave a step-0 held-out gold score of 0.721 on one 2-core
 machine and 0.657 on another), so the records also keep the two models themselves (``keep_base`` /
 ``restore_base``, ~30 MB for the embedded tiny size): a sweep continues from exactly where it started.
+
+A sweep kept in git is one *pack* instead (``pack``: ``docs/results/records/<sweep>.jsonl.gz``): the records
+folder's small files in one deterministic gzip'd JSON-lines file, a line per folder — its path and its files,
+a ``metrics.jsonl`` cut to what a report reads of it (``CURVE_KEYS``) — and no weights.
+``scripts/reproduce.py --report_only --records PACK`` writes the report from it (``unpack`` puts the files back).
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import shutil
@@ -161,3 +167,77 @@ def restore_base(records: Path, out: Path) -> bool:
     if (src / "summary.json").exists():
         _copy(src / "summary.json", dst / "summary.json")
     return True
+
+
+# ------------------------------------------------------------------------------------------------------ packs
+PACK_FORMAT = "marlhf-sweep-records/1"
+PACK_FILES = (*RUN_FILES, "eval.json", BASE_FILE, "tuning.json")  # what a pack keeps of a records folder
+# what a report reads of a metrics.jsonl row (lab.sweep.read_run; DPO's eval/accuracy): its step, the held-out
+# evaluation, a PPO step's KL and seconds
+CURVE_KEYS = ("step", "train/kl", "train/step_seconds")
+
+
+def is_pack(path: str | Path) -> bool:
+    return str(path).endswith(".gz")
+
+
+def _curve(rows: list[dict]) -> list[dict]:
+    kept = [{k: v for k, v in r.items() if k in CURVE_KEYS or k.startswith("eval/")} for r in rows]
+    return [r for r in kept if set(r) - {"step"}]
+
+
+def pack(records: Path, path: Path) -> int:
+    """Write the records folder's ``PACK_FILES`` into the pack ``path``: a header line, then one line per folder
+    (sorted by path) ``{"path": relative folder, "files": {name: parsed JSON, or a metrics.jsonl's rows cut
+    to CURVE_KEYS and eval/*}}``, gzip'd without a time stamp, so the same records give the same bytes.
+    Returns the folders packed."""
+    records, path = Path(records), Path(path)
+    folders: dict[str, dict] = {}
+    for p in sorted(records.rglob("*")):
+        if p.is_file() and p.name in PACK_FILES:
+            text = p.read_text()
+            content = _curve([json.loads(line) for line in text.splitlines() if line.strip()]) \
+                if p.name.endswith(".jsonl") else json.loads(text)
+            folders.setdefault(p.parent.relative_to(records).as_posix(), {})[p.name] = content
+    if not folders:
+        raise FileNotFoundError(f"{records}: no records ({', '.join(PACK_FILES)})")
+    lines = [json.dumps({"format": PACK_FORMAT, "metrics_keys": [*CURVE_KEYS, "eval/*"]})]
+    lines += [json.dumps({"path": rel, "files": files}, separators=(",", ":"))
+              for rel, files in sorted(folders.items())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as f:
+        f.write(("\n".join(lines) + "\n").encode())
+    tmp.replace(path)
+    return len(folders)
+
+
+def read_pack(path: Path) -> dict[str, dict]:
+    """A pack's folders: relative path -> {file name: content} (a metrics.jsonl's: its list of rows)."""
+    with gzip.open(path, "rt") as f:
+        header, *rows = [json.loads(line) for line in f if line.strip()]
+    if header.get("format") != PACK_FORMAT:
+        raise ValueError(f"{path}: not a records pack of format {PACK_FORMAT} (header {header})")
+    return {r["path"]: r["files"] for r in rows}
+
+
+def unpack(path: Path, out: Path) -> int:
+    """Write a pack's files under ``out`` with their relative paths.  Returns the files written."""
+    n = 0
+    for rel, files in read_pack(path).items():
+        for name, content in files.items():
+            dst = Path(out) / rel / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            text = "".join(json.dumps(r) + "\n" for r in content) if name.endswith(".jsonl") \
+                else json.dumps(content, indent=1) + "\n"
+            dst.write_text(text)
+            n += 1
+    return n
+
+
+if __name__ == "__main__":  # python scripts/lab/records.py pack FOLDER PACK | unpack PACK FOLDER
+    import sys
+
+    what, src, dst = sys.argv[1:4]
+    done = {"pack": pack, "unpack": unpack}[what](Path(src), Path(dst))
+    print(f"{what}: {done} {'folders' if what == 'pack' else 'files'} of {src} into {dst}")
