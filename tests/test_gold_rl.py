@@ -2,9 +2,9 @@
 from the quick start's SFT model and must not find a degenerate optimum — their final answers keep the end
 token, stay near the SFT answers' length and cover at least as many key facts.
 
-The SFT model is the one the sweep recorded (docs/results/runs/base/step1): the quick start's own step-1 launch
-script at its default seed, 600 steps, about 3.5 to 7 minutes on 2 CPU cores that the suite does not spend again
-(tests/test_launch_scripts.py checks that the current script trains that model).  Each RL run is 16 PPO steps.
+The SFT model is the quick start's own step-1 launch script at its default seed as the recorded sweeps ran it
+(the ``quickstart_sft`` fixture, tests/conftest.py): 600 steps, about 3.5 to 7 minutes on 2 CPU cores, trained once
+per machine and reused from its cache after that.  Each RL run is 16 PPO steps.
 """
 
 import json
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RECORDED_SFT, RECORDED_SFT_SPLIT, REPO
+from conftest import QUICKSTART_SFT_SPLIT, REPO
 
 RL_STEPS = 16
 
@@ -28,14 +28,14 @@ def _e2e(out, *args, port):
 
 
 @pytest.fixture(scope="module", params=[1, 5], ids=["ppo_n1", "mappo_n5"])
-def gold_run(request, embedded, tmp_path_factory):
+def gold_run(request, quickstart_sft, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"gold_n{n}")
     # the critic starts from the SFT model too (a new value head): the reward is the gold scorer; the prompts are
-    # step 3's share of the split the recorded SFT was trained on
-    _e2e(out, "--step", "3", "--ngram", str(n), "--actor_model", str(RECORDED_SFT),
-         "--reward_model", str(RECORDED_SFT), "--extra_args=--reward_source=gold",
-         f"--extra_args=--data_split={RECORDED_SFT_SPLIT}", f"--extra_args=--max_steps={RL_STEPS}", port=29672 + n)
+    # step 3's share of the split the SFT was trained on
+    _e2e(out, "--step", "3", "--ngram", str(n), "--actor_model", str(quickstart_sft),
+         "--reward_model", str(quickstart_sft), "--extra_args=--reward_source=gold",
+         f"--extra_args=--data_split={QUICKSTART_SFT_SPLIT}", f"--extra_args=--max_steps={RL_STEPS}", port=29672 + n)
     return json.loads((out / "step3/summary.json").read_text())
 
 

@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from conftest import RECORDED_SFT, RECORDED_SFT_SPLIT
+from conftest import PATH_FLAGS, QUICKSTART_SFT_ENV, QUICKSTART_SFT_SPLIT
 
 from marlhf.config import BaseArgs, DPOArgs, RewardArgs, RLHFArgs, SFTArgs, build_parser
 
@@ -568,26 +568,28 @@ def test_tiny_scripts(name, ranks, tmp_path):
     assert (sft.zero_stage, rm.zero_stage, ppo.actor_zero_stage, ppo.critic_zero_stage) == (zero,) * 4
 
 
-def test_recorded_quickstart_sft_was_trained_by_the_current_tiny_step1_script(embedded, tmp_path):
-    """tests/test_gold_rl.py starts its RL runs from the SFT model the sweep recorded (docs/results/runs/base/
-    step1, the quick start's step 1 at seed 1234) instead of training it again (~7 minutes on 2 CPU cores):
-    that model must be what the current tiny step-1 script trains.  When this fails, re-record it with
-    ``marlhf quickstart --step 1`` (or a new sweep) and copy the step-1 folder there.  The recorded sweep predates
-    the script's weight decay (1.0 since the main job adopted it) and the task's 4,3,3 split: its SFT is the script
-    with WEIGHT_DECAY=0.0 on the 2,4,4 split (scripts/reproduce.py's SWEEP_SPLIT), which every recorded run of
-    docs/results.md started from."""
+def test_quickstart_sft_is_what_the_current_tiny_step1_script_trains(quickstart_sft, embedded, tmp_path):
+    """tests/test_gold_rl.py and test_zero3_step3.py start from the ``quickstart_sft`` fixture's model (trained once
+    per machine, then taken from its cache): it must be what the current tiny step-1 script trains, as the
+    recorded sweeps of docs/results.md ran it — the quick start's step 1 at seed 1234, before the script's weight
+    decay (1.0 since the main job adopted it) and the task's 4,3,3 split: WEIGHT_DECAY=0.0 on the 2,4,4 split
+    (scripts/reproduce.py's SWEEP_SPLIT)."""
     from transformers import AutoTokenizer
 
-    recorded = json.loads((RECORDED_SFT / "args.json").read_text())
-    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, WEIGHT_DECAY="0.0",
-                              EXTRA_ARGS=f"--data_split {RECORDED_SFT_SPLIT}")
+    assert {"WEIGHT_DECAY": "0.0", "EXTRA_ARGS": f"--data_split {QUICKSTART_SFT_SPLIT}"} == QUICKSTART_SFT_ENV
+    trained = json.loads((quickstart_sft / "args.json").read_text())
+    _, sft = launch_and_parse(script(1, "tiny/run_tiny.sh"), tmp_path, **QUICKSTART_SFT_ENV)
     keys = ("data_path", "data_split", "eval_fraction", "model_name_or_path", "num_train_epochs", "max_steps",
             "learning_rate", "lr_scheduler_type", "warmup_ratio", "num_warmup_steps", "weight_decay",
             "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_len", "seed", "dtype",
             "loss_aggregation", "dropout", "lora_dim")
-    assert {k: recorded[k] for k in keys} == {k: getattr(sft, k) for k in keys}
+    assert {k: trained[k] for k in keys} == {k: getattr(sft, k) for k in keys}
+    assert (sft.data_split, sft.weight_decay, sft.seed, sft.model_name_or_path) == (QUICKSTART_SFT_SPLIT, 0.0, 1234, "")
+    # every other flag the script gives main.py, too: the model was trained by this script, not a hand-made command
+    fields = {f.name for f in dataclasses.fields(SFTArgs)} - set(PATH_FLAGS)
+    assert {k: trained[k] for k in fields} == {k: getattr(sft, k) for k in fields}
     # and on the current embedded task: its tokenizer is trained on the task's text, so a new task version shows
-    assert AutoTokenizer.from_pretrained(RECORDED_SFT).get_vocab() == \
+    assert AutoTokenizer.from_pretrained(quickstart_sft).get_vocab() == \
         AutoTokenizer.from_pretrained(embedded.tokenizer_dir).get_vocab()
 
 

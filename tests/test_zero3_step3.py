@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import RECORDED_SFT, STEP3, deepspeed_cmd, run_launcher
+from conftest import STEP3, deepspeed_cmd, run_launcher
 from safetensors.torch import load_file
 
 from marlhf.utils.tracking import read_metrics
@@ -23,8 +23,8 @@ from marlhf.utils.tracking import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def _argv(out, *extra):
-    return ["--actor_model_name_or_path", str(RECORDED_SFT), "--reward_source", "gold",
+def _argv(sft, out, *extra):
+    return ["--actor_model_name_or_path", str(sft), "--reward_source", "gold",
             "--data_path", "synthetic:num_records=400", "--data_output_path", str(out / "data"),
             "--output_dir", str(out), "--max_prompt_seq_len", "160", "--max_answer_seq_len", "64",
             "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
@@ -37,10 +37,10 @@ def _argv(out, *extra):
     ("--actor_zero_stage", "3", "--critic_zero_stage", "3"),
     ("--actor_zero_stage", "2", "--critic_zero_stage", "2", "--offload_reference_model"),
 ], ids=["zero3", "zero2-offloaded-ema"])
-def test_two_ranks_train_checkpoint_resume_and_export(placement, tmp_path):
+def test_two_ranks_train_checkpoint_resume_and_export(placement, quickstart_sft, tmp_path):
     port = 29631 if "3" in placement[1] else 29632
     full, stopped = tmp_path / "full", tmp_path / "stopped"
-    run_launcher([*deepspeed_cmd(2, port), str(STEP3), *_argv(full, *placement)], timeout=900)
+    run_launcher([*deepspeed_cmd(2, port), str(STEP3), *_argv(quickstart_sft, full, *placement)], timeout=900)
     rows = [m for m in read_metrics(full) if "train/actor_loss" in m]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -50,7 +50,8 @@ def test_two_ranks_train_checkpoint_resume_and_export(placement, tmp_path):
     shutil.copytree(full / "checkpoints/step00000001", stopped / "checkpoints/step00000001")
     (stopped / "checkpoints/latest").write_text("step00000001")
     shutil.copy(full / "initial_policy.json", stopped / "initial_policy.json")
-    run_launcher([*deepspeed_cmd(2, port), str(STEP3), *_argv(stopped, *placement), "--resume"], timeout=900)
+    run_launcher([*deepspeed_cmd(2, port), str(STEP3), *_argv(quickstart_sft, stopped, *placement), "--resume"],
+                 timeout=900)
     assert [m["step"] for m in read_metrics(stopped) if "train/actor_loss" in m] == [2]
     for part in ("actor", "critic", "actor_ema"):
         a = load_file(full / part / "model.safetensors")
@@ -58,7 +59,7 @@ def test_two_ranks_train_checkpoint_resume_and_export(placement, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     # the EMA export holds weights (not empty partitions), between the SFT model's and the actor's
     ema, actor = load_file(full / "actor_ema/model.safetensors"), load_file(full / "actor/model.safetensors")
-    sft = load_file(RECORDED_SFT / "model.safetensors")
+    sft = load_file(quickstart_sft / "model.safetensors")
     name = "model.layers.0.self_attn.q_proj.weight"
     assert ema[name].shape == sft[name].shape and not torch.equal(ema[name], sft[name])
     assert (ema[name].float() - sft[name].float()).norm() < (actor[name].float() - sft[name].float()).norm()
