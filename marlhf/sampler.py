@@ -31,14 +31,16 @@ from marlhf.utils.rng import isolated_rng
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to sample.  ``seed=None`` draws from the global RNG (training: the run's seeded stream); an
-    integer seed samples under a forked RNG seeded with ``seed + rank``, leaving the global stream as it was."""
+    integer seed samples under a forked RNG seeded with ``seed + rank``, leaving the global stream as it was.
+    temperature / top-k / top-p have no defaults here: their one default is step 3's flags'
+    (:class:`marlhf.config.RLHFArgs`), which the tools' flags share."""
 
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     pad_id: int
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float
     do_sample: bool = True  # False: greedy
     seed: int | None = None
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from marlhf.config import BaseArgs, RLHFArgs
 from marlhf.data.formatting import PromptFormatter
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids
 from marlhf.rlhf.macro import fixed_starts, lowprob_starts
@@ -75,11 +76,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="", help="JSON lines with a 'prompt' field (default: the embedded task's)")
     p.add_argument("--num_prompts", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=RLHFArgs.temperature)
+    p.add_argument("--top_k", type=int, default=RLHFArgs.top_k)
+    p.add_argument("--top_p", type=float, default=RLHFArgs.top_p)
     p.add_argument("--max_answer_seq_len", type=int, default=64)
     p.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=BaseArgs.seed)
     p.add_argument("--out", default="", help="write the table here as JSON")
     args = p.parse_args(argv)
     if args.prompts:
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     reference = load_causal_lm(args.reference, tokenizer, 0.0).eval() if args.reference else policy
     stop_ids = tuple(stop_token_ids(tokenizer, fmt.end_of_conversation_token))
     cfg = GenerationConfig(max_new_tokens=args.max_answer_seq_len, stop_ids=stop_ids, pad_id=tokenizer.pad_token_id,
-                           temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     masks, logprobs = [], []
     with torch.no_grad():
         for i in range(0, len(prompts), args.batch_size):

@@ -36,7 +36,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 12], [8, 8, 64, 250, 31, 77, 120]]  # diffe
 
 def cfg(**kw) -> GenerationConfig:
     return GenerationConfig(**{"max_new_tokens": 12, "stop_ids": (3,), "pad_id": PAD, "temperature": 1.0,
-                               "top_k": 0, **kw})
+                               "top_k": 0, "top_p": 1.0, **kw})
 
 
 # ------------------------------------------------------------------------------------------ answer_mask
@@ -208,8 +208,8 @@ def test_the_policys_mode_is_restored(nano, training):
 
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="stop_ids is empty"):
-        GenerationConfig(max_new_tokens=4, stop_ids=(), pad_id=0)
+        cfg(max_new_tokens=4, stop_ids=())
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        GenerationConfig(max_new_tokens=4, stop_ids=(1,), pad_id=0, temperature=0.0)
+        cfg(max_new_tokens=4, stop_ids=(1,), temperature=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        GenerationConfig(max_new_tokens=0, stop_ids=(1,), pad_id=0)
+        cfg(max_new_tokens=0, stop_ids=(1,))

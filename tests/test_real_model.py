@@ -161,7 +161,8 @@ def test_generation_stops_at_the_end_token(runs, prompt_format):
     stop_ids = stop_token_ids(ours, f.end_of_conversation_token)
     assert stop_ids == [IM_END]
     s = sample(model, ids["input_ids"], ids["attention_mask"],
-               GenerationConfig(max_new_tokens=40, stop_ids=tuple(stop_ids), pad_id=ours.pad_token_id, do_sample=False))
+               GenerationConfig(max_new_tokens=40, stop_ids=tuple(stop_ids), pad_id=ours.pad_token_id,
+                                temperature=1.0, top_k=0, top_p=1.0, do_sample=False))
     assert s.ended.tolist() == [True] and s.answers[0, :int(s.lengths[0])].tolist() == answer
     rows = [m for m in read_metrics(runs / "ppo") if "train/eos_rate" in m]
     assert len(rows) == 1 and 0 <= rows[0]["train/eos_rate"] <= 1

@@ -70,7 +70,8 @@ def training_stream(fake: FakeCuda, evaluate) -> tuple[list, list]:
 def test_a_seeded_sample_leaves_the_cpu_and_every_devices_stream_as_it_was(model):
     fake = FakeCuda(3)
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
-    cfg = GenerationConfig(max_new_tokens=4, stop_ids=(2,), pad_id=0, seed=123)
+    cfg = GenerationConfig(max_new_tokens=4, stop_ids=(2,), pad_id=0, temperature=1.0, top_k=0, top_p=1.0,
+                           seed=123)
     answers = []
 
     def evaluate():  # seeds CPU and devices (torch.manual_seed inside sample), then draws from both

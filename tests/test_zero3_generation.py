@@ -77,7 +77,8 @@ def _body(rank: int, folder: str, mode: str) -> dict:
     vocab = AutoModelForCausalLM.from_pretrained(folder).config.vocab_size
     # rank 0 stops at any token (every answer ends after one), rank 1 at none it can produce (runs to the cap)
     stops = tuple(range(vocab)) if rank == 0 else (vocab + 7,)
-    cfg = GenerationConfig(max_new_tokens=MAX_NEW, stop_ids=stops, pad_id=PAD, do_sample=False)
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, stop_ids=stops, pad_id=PAD, temperature=1.0, top_k=0, top_p=1.0,
+                           do_sample=False)
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     expected = sample(plain, ids, mask, cfg)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from marlhf.config import BaseArgs, RewardArgs
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.best_of_n import best_of_n, plot, table_rows, to_csv, to_markdown
 from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, batch_seed
@@ -32,17 +33,17 @@ log = logging.getLogger("marlhf")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_sampling_args(p, temperature=None)
+    add_sampling_args(p, temperature=False)
     add_prompt_args(p)
     p.add_argument("--reward_model", required=True, help="Step-2 output folder (the picker)")
     p.add_argument("--n", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="Sizes N of the best-of-N pick")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8, 1.0, 1.2])
     p.add_argument("--gold", default="auto", choices=("auto", "on", "off"),
                    help="The embedded task's gold score of the pick: auto = when the data is synthetic")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=BaseArgs.seed)
     p.add_argument("--batch_size", type=int, default=4, help="Prompts per generate call (x max N answers)")
     p.add_argument("--rm_batch_size", type=int, default=64)
-    p.add_argument("--max_seq_len", type=int, default=1024, help="Reward model's input limit")
+    p.add_argument("--max_seq_len", type=int, default=RewardArgs.max_seq_len, help="Reward model's input limit")
     p.add_argument("--output_csv", default=None)
     p.add_argument("--output_json", default=None)
     p.add_argument("--output_png", default=None)

@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 
+from marlhf.config import BaseArgs
 from marlhf.errors import run_cli
 from marlhf.eval.chat import ChatSession
 from marlhf.eval.generate_tool import LoadedPolicy, add_sampling_args
@@ -25,12 +26,13 @@ USER_PROMPT = "You> "
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_sampling_args(p, temperature=0.8)
+    add_sampling_args(p)
     p.add_argument("--task", default="dialogue",
                    help="The task (marlhf/tasks.py: a name, alias or folder): the turn format and "
                    "post-processing")
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--seed", type=int, default=0, help="Answer k samples under a seed derived from this and k")
+    p.add_argument("--seed", type=int, default=BaseArgs.seed,
+                   help="Answer k samples under a seed derived from this and k")
     p.add_argument("--show_prompt", action="store_true", help="Print the model's input before each answer")
     return p.parse_args(argv)
 

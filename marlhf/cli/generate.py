@@ -24,6 +24,7 @@ import logging
 import sys
 from pathlib import Path
 
+from marlhf.config import BaseArgs
 from marlhf.errors import run_cli
 from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, generate_file
 
@@ -35,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--output", required=True, help="JSON lines (resumed when it exists)")
     p.add_argument("--num_samples", type=int, default=1, help="Answers per prompt")
     p.add_argument("--greedy", action="store_true", help="Greedy decoding instead of sampling")
-    p.add_argument("--seed", type=int, default=0, help="Sampling seed (each batch samples under its own)")
+    p.add_argument("--seed", type=int, default=BaseArgs.seed, help="Sampling seed (each batch samples under its own)")
     p.add_argument("--batch_size", type=int, default=8, help="Prompts per generate call")
     p.add_argument("--policy_name", default="", help="The rows' 'policy' field (default: the model folder's name)")
     p.add_argument("--overwrite", action="store_true", help="Start over instead of resuming")

@@ -25,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+from marlhf.config import BaseArgs
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.records import DataError, require_text
 from marlhf.embedded.task import gold_scores
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=os.environ.get("MARLHF_JUDGE_MODEL"), help="(env MARLHF_JUDGE_MODEL)")
     parser.add_argument("--api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
     parser.add_argument("--api_key_file", default=None, help="file holding the key (instead of the environment)")
-    parser.add_argument("--seed", type=int, default=0, help="fixes the order each pair is shown in")
+    parser.add_argument("--seed", type=int, default=BaseArgs.seed, help="fixes the order each pair is shown in")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     parser.add_argument("--max_retries", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from marlhf.config import BaseArgs
+from marlhf.config import BaseArgs, RewardArgs
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.pipeline import phase_records
 from marlhf.data.records import BadRowPolicy, DataError, require_text
@@ -45,9 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--output", default=None, help="Write one JSON line of scores per input row here")
     p.add_argument("--end_of_conversation_token", default="",
                    help="Default: the one recorded with the model (else the tokenizer's own)")
-    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"),
+    p.add_argument("--prompt_format", default=BaseArgs.prompt_format, choices=("auto", "raw", "chat_template"),
                    help="Default: the one recorded with the model")
-    p.add_argument("--max_seq_len", type=int, default=1024)
+    p.add_argument("--max_seq_len", type=int, default=RewardArgs.max_seq_len)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors (bad file, missing model)")
     add_placement_args(p)

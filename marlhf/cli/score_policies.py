@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from marlhf.config import BaseArgs, RewardArgs
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.score_report import (
     build_report,
@@ -45,8 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--output_png", default=None)
     p.add_argument("--bins", type=int, default=30)
     p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
-    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
-    p.add_argument("--max_seq_len", type=int, default=1024)
+    p.add_argument("--prompt_format", default=BaseArgs.prompt_format, choices=("auto", "raw", "chat_template"))
+    p.add_argument("--max_seq_len", type=int, default=RewardArgs.max_seq_len)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
     add_placement_args(p)

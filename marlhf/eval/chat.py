@@ -9,13 +9,15 @@ messages).  Answers are sampled through the generation seam and post-processed b
 
 from __future__ import annotations
 
+from marlhf.config import BaseArgs, RLHFArgs
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.eval.generate_tool import LoadedPolicy, batch_seed
 
 
 class ChatSession:
     def __init__(self, policy: LoadedPolicy, application, *, max_new_tokens: int = 128, max_prompt_len: int = 512,
-                 temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, greedy: bool = False, seed: int = 0):
+                 temperature: float = RLHFArgs.temperature, top_k: int = RLHFArgs.top_k, top_p: float = RLHFArgs.top_p,
+                 greedy: bool = False, seed: int = BaseArgs.seed):
         self.policy, self.app = policy, application
         self.max_new_tokens, self.max_prompt_len = max_new_tokens, max_prompt_len
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=not greedy)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from marlhf.config import BaseArgs
+from marlhf.config import BaseArgs, RLHFArgs
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
 from marlhf.data.pipeline import _pad, phase_records
@@ -109,7 +109,7 @@ def policy_folder(path: str, model: str = "actor") -> str:
 class LoadedPolicy:
     """A causal LM with its tokenizer (left padding), conversation format and stop ids, in eval mode."""
 
-    def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = "auto",
+    def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = BaseArgs.prompt_format,
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
         """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`)."""
 
@@ -124,8 +124,9 @@ class LoadedPolicy:
         log.info("policy %s (prompt format %s, end token %r) on %s in %s", self.path, self.format.prompt_format,
                  self.eot, self.placement.device, self.placement.dtype)
 
-    def config(self, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               do_sample: bool = True, seed: int | None = None) -> GenerationConfig:
+    def config(self, max_new_tokens: int, temperature: float = RLHFArgs.temperature, top_k: int = RLHFArgs.top_k,
+               top_p: float = RLHFArgs.top_p, do_sample: bool = True, seed: int | None = None) -> GenerationConfig:
+        """How to sample; the defaults are step 3's (its ``--temperature --top_k --top_p``), declared once there."""
         return GenerationConfig(max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=self.tok.pad_token_id,
                                 temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed)
 
@@ -268,19 +269,20 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
 
 
 # ------------------------------------------------------------------------------------ the tools' flags
-def add_sampling_args(p: argparse.ArgumentParser, temperature: float | None = 1.0) -> None:
-    """The policy and sampling flags the generation tools share."""
+def add_sampling_args(p: argparse.ArgumentParser, temperature: bool = True) -> None:
+    """The policy and sampling flags the generation tools share, sampling as step 3 samples unless told otherwise
+    (the defaults are :class:`marlhf.config.RLHFArgs`'s); ``temperature=False``: a tool with a flag of its own."""
 
     p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
     p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--max_prompt_len", type=int, default=256, help="Longer prompts keep their most recent turns")
-    if temperature is not None:
-        p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--top_k", type=int, default=0, help="0: off")
-    p.add_argument("--top_p", type=float, default=1.0)
+    if temperature:
+        p.add_argument("--temperature", type=float, default=RLHFArgs.temperature)
+    p.add_argument("--top_k", type=int, default=RLHFArgs.top_k, help="0: off")
+    p.add_argument("--top_p", type=float, default=RLHFArgs.top_p)
     p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
-    p.add_argument("--prompt_format", default="auto", choices=("auto", "raw", "chat_template"))
+    p.add_argument("--prompt_format", default=BaseArgs.prompt_format, choices=("auto", "raw", "chat_template"))
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
 
     add_placement_args(p)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from marlhf.config import BaseArgs, RewardArgs
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import SFTCollator, _pad, tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
@@ -27,7 +28,8 @@ class Scorer:
     def load(path: str, tokenizer, dtype: torch.dtype = torch.float32):
         return load_reward_model(path, tokenizer, dtype=dtype)
 
-    def __init__(self, path: str, eot: str = "", max_seq_len: int = 1024, prompt_format: str = "auto",
+    def __init__(self, path: str, eot: str = "", max_seq_len: int = RewardArgs.max_seq_len,
+                 prompt_format: str = BaseArgs.prompt_format,
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
         """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`)."""
 
@@ -96,10 +98,15 @@ class RewardModelSource:
     """Reward source ``reward_model``: a value model's head at the last real token of prompt + response.
 
     ``model``: a Hugging Face value model or a (frozen) DeepSpeed engine around one.  For text callers,
-    ``tokenizer`` and the step-2 format (end token, prompt format, length) say how to tokenize."""
+    ``tokenizer`` and the step-2 format say how to tokenize: its end token, its resolved prompt format ("raw" or
+    "chat_template": :func:`marlhf.models.loading.load_tokenizer_and_format` reads them from a model folder) and
+    its length limit."""
 
-    def __init__(self, model, tokenizer=None, eot: str = "", prompt_format: str = "raw", max_seq_len: int = 1024,
-                 batch_size: int = 16):
+    def __init__(self, model, tokenizer=None, *, eot: str = "", prompt_format: str | None = None,
+                 max_seq_len: int | None = None, batch_size: int = 16):
+        if tokenizer is not None and (prompt_format is None or max_seq_len is None):
+            raise ValueError("a reward model that scores text needs the step-2 format it was trained in: "
+                             "prompt_format and max_seq_len")
         self.model, self.tokenizer = model, tokenizer
         self.eot, self.prompt_format, self.max_seq_len, self.batch_size = eot, prompt_format, max_seq_len, batch_size
 

@@ -15,6 +15,7 @@ there is no critic forward and ``values`` is None.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -228,75 +229,158 @@ def critic_mc_agreement(values: torch.Tensor, mc_values: torch.Tensor, seg: torc
     return {"critic_mc_corr": corr, "critic_mc_rmse": float((x - y).square().mean().sqrt())}
 
 
+class RolloutRecord:
+    """A rollout's statistics, kept beside the algorithm: ``with record.clock(phase, stat)`` times a phase for
+    the cost benchmark's ``timer`` (:mod:`marlhf.utils.timing`) and adds its wall-clock seconds to ``stat``;
+    the steps put what they report in :attr:`stats`."""
+
+    def __init__(self, timer=NO_TIMER):
+        self.timer = timer
+        self.stats: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def clock(self, phase: str, stat: str):
+        t0 = time.time()
+        with self.timer(phase):
+            yield
+        self.stats[stat] = self.stats.get(stat, 0.0) + time.time() - t0
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """One batch's rollout as the steps after generation see it: its parts, its samples, its record.  An
+    estimator asks it for what it needs beyond the forwards
+    (:meth:`marlhf.rlhf.advantages.AdvantageEstimator.prepare`: Monte-Carlo values), so does the critic's check."""
+
+    parts: RolloutParts
+    samples: Samples
+    record: RolloutRecord
+
+    def monte_carlo_values(self, seg: torch.Tensor, K: int) -> torch.Tensor:
+        """(B, M) V̂(s_k) of every macro action's start state from K continuations each
+        (:func:`monte_carlo_values`, timed as ``generation/mc``); logs mc_continuations and mc_seconds."""
+        p, s = self.parts, self.parts.settings
+        with self.record.clock("generation/mc", "mc_seconds"):
+            values, n = monte_carlo_values(p.actor, p.score, self.samples, seg, K, p.generation, s.clip_reward_value,
+                                           s.zero3_generation)
+        self.record.stats["mc_continuations"] = float(n)
+        return values
+
+
+def generate(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             record: RolloutRecord) -> Samples:
+    """K = ``--num_samples_per_prompt`` answers to each prompt sampled from π_old; rows i·K … i·K+K−1 answer
+    prompt i, and this batch holds whole groups only (one rank generated them).  Timed as ``gen_seconds``."""
+    K = parts.settings.num_samples_per_prompt
+    with record.clock("generation", "gen_seconds"):
+        out = sample(parts.actor, prompt_ids, prompt_mask, parts.generation, num_samples=K,
+                     zero3_generation=parts.settings.zero3_generation)
+    if out.seq.shape[0] != prompt_ids.shape[0] * K:  # pragma: no cover - sample() guarantees it
+        raise AssertionError(f"{out.seq.shape[0]} samples for {prompt_ids.shape[0]} prompts x K={K}")
+    groups(torch.arange(out.seq.shape[0]), K)
+    return out
+
+
+def trainable(out: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss mask (B, A), valid (B,)): empty and one-token answers (under two tokens before the stop token) are
+    masked out of the loss (and counted, ``invalid_answers``)."""
+    valid = out.answer_mask.sum(dim=1) - out.ended.long() >= 2
+    return out.answer_mask & valid[:, None], valid
+
+
+def score(rollout: RolloutContext) -> torch.Tensor:
+    """(B,) each answer's sequence score from the reward source (timed as ``forward/reward``)."""
+    with rollout.record.timer("forward/reward"):
+        return rollout.parts.score(rollout.samples)
+
+
+def segment(rollout: RolloutContext, mask: torch.Tensor, logprobs: torch.Tensor | None,
+            ref_logprobs: torch.Tensor | None, step: int, batch: int) -> torch.Tensor:
+    """(B, A) the termination rule's macro actions (paper §3.2.1) as segment ids, -1 on padding; a parser's
+    fallbacks are counted (``parse_fallbacks``).  Timed as ``macro`` (``macro_seconds``)."""
+    with rollout.record.clock("macro", "macro_seconds"):
+        seg, fallbacks = rollout.parts.segmenter(rollout.samples.answers, mask, ref_logprobs, step, batch,
+                                                 logprobs=logprobs)
+    rollout.record.stats["parse_fallbacks"] = float(fallbacks)
+    return seg
+
+
+def rewarded_batch(settings: RolloutSection, mask: torch.Tensor, valid: torch.Tensor, seg: torch.Tensor,
+                   logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None,
+                   scores: torch.Tensor) -> AdvantageBatch:
+    """What the estimator reads, with the per-token rewards −β(log π_old − log π_ref) (β when the KL is in the
+    reward, :func:`marlhf.rlhf.sections.kl_in_reward`) plus the clipped score on the last real token
+    (:func:`marlhf.rlhf.ppo_math.token_rewards`).  A skipped forward is read only with a zero weight (the
+    KL's β = 0): zeros stand in, changing no number."""
+    lp = logprobs if logprobs is not None else torch.zeros(mask.shape, device=mask.device)
+    ref_lp = ref_logprobs if ref_logprobs is not None else lp
+    rewards = token_rewards(lp, ref_lp, mask, scores, settings.reward_kl_ctl, settings.clip_reward_value)
+    return AdvantageBatch(mask, valid, seg, lp, ref_lp, values, rewards, scores)
+
+
+def estimate(rollout: RolloutContext, batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The estimator's (B, A) advantages and returns and its statistics; it first asks the rollout for what it
+    needs beyond the forwards (:meth:`~marlhf.rlhf.advantages.AdvantageEstimator.prepare`: mc_macro's
+    Monte-Carlo values).  The estimate is timed as ``macro`` (``macro_seconds``)."""
+    estimator = rollout.parts.estimator
+    batch = estimator.prepare(batch, rollout)
+    with rollout.record.clock("macro", "macro_seconds"):
+        return estimator(batch)
+
+
+def check_critic(rollout: RolloutContext, batch: AdvantageBatch) -> None:
+    """``--critic_mc_check K`` with a critic (any estimator's): its V(s_k) against Monte-Carlo V̂(s_k) from K
+    continuations of every macro boundary (:func:`critic_mc_agreement`; train/critic_mc_corr, critic_mc_rmse)."""
+    K = rollout.parts.settings.critic_mc_check
+    if batch.values is None or K <= 0:
+        return
+    mc_values = rollout.monte_carlo_values(batch.seg, K)
+    rollout.record.stats.update(critic_mc_agreement(batch.values, mc_values, batch.seg))
+
+
+def experience_stats(exp: Experience, out: Samples, valid: torch.Tensor, record: RolloutRecord,
+                     estimator_stats: dict, clip: float | None) -> dict[str, float]:
+    """The rollout's statistics (logged as train/*): the scores (all, the valid answers', the share clipped),
+    the return, the answers' length, end and validity, the record's (timings, parse fallbacks, Monte-Carlo
+    continuations, the critic's check), the estimator's, and the KL to the reference when both forwards ran."""
+    scores, valid_n, r = exp.scores, valid.sum().clamp(min=1), record.stats
+    clipped = clipped_share(scores, clip)
+    _warn_if_flattened(clipped, clip)
+    stats = {"reward": scores.mean().item(),
+             "clipped_scores": clipped,
+             "reward_valid": (scores * valid).sum().item() / valid_n.item(),
+             "return": exp.returns[:, 0].mean().item() if exp.returns.shape[1] else 0.0,
+             "response_len": out.answer_mask.sum(dim=1).float().mean().item(),
+             "eos_rate": out.ended.float().mean().item(),
+             "invalid_answers": float((~valid).sum().item()),
+             **{k: r[k] for k in ("parse_fallbacks", "gen_seconds", "macro_seconds", "mc_continuations",
+                                  "mc_seconds", "critic_mc_corr", "critic_mc_rmse") if k in r},
+             **{k: float(v) for k, v in estimator_stats.items()}}
+    if exp.logprobs is not None and exp.ref_logprobs is not None:  # the KL to the reference, when both were computed
+        kl = torch.where(exp.mask, exp.logprobs - exp.ref_logprobs, 0.0).sum(dim=1)
+        stats["kl"] = (kl.sum() / valid_n).item()
+    return stats
+
+
 @torch.no_grad()
 def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, step: int,
                     batch: int = 0, timer=NO_TIMER) -> tuple[Experience, dict]:
-    """Generate, score and segment answers to one prompt batch (``batch``: its index in the step) — paper
-    Algorithm 1, lines 3-8.
-
-    Empty and one-token answers are masked out of the loss and counted (``invalid_answers``).  ``timer``
-    (:mod:`marlhf.utils.timing`) times the phases ``generation``, ``forward/*`` and ``macro`` (segmentation +
-    advantages) for the cost benchmark."""
-    settings = parts.settings
-    K = settings.num_samples_per_prompt
-    t0 = time.time()
-    with timer("generation"):
-        out = sample(parts.actor, prompt_ids, prompt_mask, parts.generation, num_samples=K,
-                     zero3_generation=settings.zero3_generation)
-    gen_time = time.time() - t0
-    if out.seq.shape[0] != prompt_ids.shape[0] * K:  # pragma: no cover - sample() guarantees it
-        raise AssertionError(f"{out.seq.shape[0]} samples for {prompt_ids.shape[0]} prompts x K={K}")
-    groups(torch.arange(out.seq.shape[0]), K)  # this batch holds whole groups only (one rank generated them)
-    mask, ended, answer = out.answer_mask, out.ended, out.answers
-    length = mask.sum(dim=1)
-    content = length - ended.long()  # tokens before the stop token
-    valid = content >= 2  # empty and one-token answers are masked out of the loss (and counted)
-
-    logprobs, ref_logprobs, values = forwards(parts.actor, parts.ref, parts.critic, out, timer,
-                                              settings.logprob_temperature, settings.policy_forward,
-                                              settings.reference_forward)
-    with timer("forward/reward"):
-        scores = parts.score(out)
-
-    loss_mask = mask & valid[:, None]
-    # a skipped forward is read only with a zero weight (the KL's β = 0): zeros stand in, changing no number
-    lp = logprobs if logprobs is not None else torch.zeros(mask.shape, device=mask.device)
-    ref_lp = ref_logprobs if ref_logprobs is not None else lp
-    rewards = token_rewards(lp, ref_lp, loss_mask, scores, settings.reward_kl_ctl, settings.clip_reward_value)
-    t1 = time.time()
-    with timer("macro"):  # termination rule -> segment ids
-        seg, fallbacks = parts.segmenter(answer, loss_mask, ref_logprobs, step, batch, logprobs=logprobs)
-    mc_values, mc_stats = None, {}
-    check = values is not None and settings.critic_mc_check > 0  # the critic against Monte-Carlo values
-    if parts.estimator.mc_values or check:  # Monte-Carlo values of the macro boundaries (mc_macro)
-        t_mc = time.time()
-        with timer("generation/mc"):
-            K = settings.mc_rollouts if parts.estimator.mc_values else settings.critic_mc_check
-            mc_values, n = monte_carlo_values(parts.actor, parts.score, out, seg, K, parts.generation,
-                                              settings.clip_reward_value, settings.zero3_generation)
-        mc_stats = {"mc_continuations": float(n), "mc_seconds": time.time() - t_mc}
-        if check:
-            mc_stats.update(critic_mc_agreement(values, mc_values, seg))
-    with timer("macro"):  # advantages and returns
-        advantages, returns, mstats = parts.estimator(AdvantageBatch(loss_mask, valid, seg, lp, ref_lp,
-                                                                     values, rewards, scores, mc_values))
-    macro_time = time.time() - t1 - mc_stats.get("mc_seconds", 0.0)
-    exp = Experience(out.seq, out.attention_mask, out.prompt_width, loss_mask, logprobs, ref_logprobs, values,
-                     scores, rewards, seg, advantages, returns)
-    n_valid = valid.sum().clamp(min=1)
-    clipped = clipped_share(scores, settings.clip_reward_value)
-    _warn_if_flattened(clipped, settings.clip_reward_value)
-    stats = {"reward": scores.mean().item(),
-             "clipped_scores": clipped,
-             "reward_valid": (scores * valid).sum().item() / n_valid.item(),
-             "return": returns[:, 0].mean().item() if returns.shape[1] else 0.0,
-             "response_len": length.float().mean().item(),
-             "eos_rate": ended.float().mean().item(),
-             "invalid_answers": float((~valid).sum().item()),
-             "parse_fallbacks": float(fallbacks),
-             "gen_seconds": gen_time, "macro_seconds": macro_time,
-             **mc_stats, **{k: float(v) for k, v in mstats.items()}}
-    if logprobs is not None and ref_logprobs is not None:  # the KL to the reference, when both were computed
-        kl = torch.where(loss_mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
-        stats["kl"] = (kl.sum() / n_valid).item()
-    return exp, stats
+    """Paper Algorithm 1, lines 3-8, on one prompt batch (``batch``: its index in the step): sample answers,
+    run the forwards, score the answers, segment them into macro actions, shape the rewards, estimate the
+    advantages — one call each; the statistics and timings are kept beside them (:class:`RolloutRecord`,
+    :func:`experience_stats`).  ``timer`` (:mod:`marlhf.utils.timing`) times the phases ``generation``,
+    ``forward/*``, ``macro`` (segmentation + advantages) and ``generation/mc`` for the cost benchmark."""
+    s, record = parts.settings, RolloutRecord(timer)
+    out = generate(parts, prompt_ids, prompt_mask, record)  # y ~ π_old(·|x), K answers per prompt
+    rollout = RolloutContext(parts, out, record)
+    logprobs, ref_logprobs, values = forwards(parts.actor, parts.ref, parts.critic, out, timer, s.logprob_temperature,
+                                              s.policy_forward, s.reference_forward)  # log π_old, log π_ref, V(s_t)
+    scores = score(rollout)  # the reward source's sequence scores
+    mask, valid = trainable(out)  # answers long enough to train on
+    seg = segment(rollout, mask, logprobs, ref_logprobs, step, batch)  # termination rule -> macro actions
+    data = rewarded_batch(s, mask, valid, seg, logprobs, ref_logprobs, values, scores)  # r_t = -β KL_t (+ score)
+    advantages, returns, estimator_stats = estimate(rollout, data)  # macro advantages and returns
+    check_critic(rollout, data)  # --critic_mc_check: the critic against Monte-Carlo values
+    exp = Experience(out.seq, out.attention_mask, out.prompt_width, mask, logprobs, ref_logprobs, values, scores,
+                     data.rewards, seg, advantages, returns)
+    return exp, experience_stats(exp, out, valid, record, estimator_stats, s.clip_reward_value)

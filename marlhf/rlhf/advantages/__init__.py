@@ -71,7 +71,7 @@ class AdvantageEstimator:
     name: ClassVar[str] = ""
     needs_critic: ClassVar[bool] = False
     min_group: ClassVar[int] = 1
-    mc_values: ClassVar[bool] = False  # the rollout samples continuations from each macro boundary for it
+    mc_values: ClassVar[bool] = False  # it samples continuations from each macro boundary (in :meth:`prepare`)
     macro_level: ClassVar[bool] = False  # its advantages differ between the macro actions of an answer
     group_normalization: ClassVar[bool] = False  # it reads --grpo_normalization
 
@@ -97,6 +97,12 @@ class AdvantageEstimator:
         if o.grpo_normalization != "std" and not cls.group_normalization:
             raise ConfigError(f"--grpo_normalization {o.grpo_normalization} only applies to --advantage_estimator "
                               f"grpo (got {o.estimator})")
+
+    def prepare(self, batch: AdvantageBatch, rollout) -> AdvantageBatch:
+        """Called by the rollout before the estimate: what the estimator needs beyond the rollout's forwards,
+        asked of ``rollout`` (:class:`marlhf.rlhf.rollout.RolloutContext`, e.g. its Monte-Carlo values of the
+        macro boundaries).  Returns the batch to estimate on; by default the batch as it is."""
+        return batch
 
     def __call__(self, batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:  # pragma: no cover
         raise NotImplementedError

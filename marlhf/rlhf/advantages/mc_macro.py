@@ -1,8 +1,10 @@
 """Monte-Carlo macro values without a critic (VinePPO, ICML 2025; SPO, NeurIPS 2025): V̂(s_k) of each macro
-action's start state is the mean score of ``--mc_rollouts`` continuations the rollout samples from it
-(:func:`marlhf.rlhf.rollout.monte_carlo_values`), and macro action k's advantage is the TD error on those values,
-A_k = R_k + γ V̂(s_{k+1}) − V̂(s_k) (V̂ after the last action = 0; R_k the macro reward, the score in the last) —
-GAE with λ = 0 over the Monte-Carlo values."""
+action's start state is the mean score of ``--mc_rollouts`` continuations sampled from it (the estimator asks
+the rollout for them in :meth:`MonteCarloMacro.prepare`; :func:`marlhf.rlhf.rollout.monte_carlo_values`), and
+macro action k's advantage is the TD error on those values, A_k = R_k + γ V̂(s_{k+1}) − V̂(s_k) (V̂ after the
+last action = 0; R_k the macro reward, the score in the last) — GAE with λ = 0 over the Monte-Carlo values."""
+
+import dataclasses
 
 from marlhf.errors import ConfigError
 from marlhf.rlhf.advantages import AdvantageBatch, AdvantageEstimator, EstimatorOptions, register
@@ -22,6 +24,10 @@ class MonteCarloMacro(AdvantageEstimator):
         if o.value_function != "equal" or o.lam_changed:
             raise ConfigError(f"--advantage_estimator {o.estimator} has no critic and no GAE: --value_function / "
                               f"--lam / --lam_critic / --adaptive_lam_alpha would do nothing; drop them")
+
+    def prepare(self, batch: AdvantageBatch, rollout) -> AdvantageBatch:
+        """V̂(s_k) of every macro boundary: the mean clipped score of --mc_rollouts continuations from it."""
+        return dataclasses.replace(batch, mc_values=rollout.monte_carlo_values(batch.seg, self.settings.mc_rollouts))
 
     def __call__(self, batch: AdvantageBatch):
         s = self.settings
