@@ -275,8 +275,9 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: bool = True) -> N
 
     p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
     p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--max_prompt_len", type=int, default=256, help="Longer prompts keep their most recent turns")
+    p.add_argument("--max_new_tokens", type=int, default=RLHFArgs.max_answer_seq_len)
+    p.add_argument("--max_prompt_len", type=int, default=RLHFArgs.max_prompt_seq_len,
+                   help="Longer prompts keep their most recent turns")
     if temperature:
         p.add_argument("--temperature", type=float, default=RLHFArgs.temperature)
     p.add_argument("--top_k", type=int, default=RLHFArgs.top_k, help="0: off")
