@@ -25,13 +25,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from marlhf.sampler import GenerationConfig, Samples, sample
 from marlhf.models.forward import next_token_logits, position_ids_from_mask, token_values
 from marlhf.models.logprobs import token_logprobs
 from marlhf.rlhf.advantages import AdvantageBatch, AdvantageEstimator
 from marlhf.rlhf.estimators import groups
 from marlhf.rlhf.ppo_math import token_rewards
 from marlhf.rlhf.sections import RolloutSection
+from marlhf.sampler import GenerationConfig, Samples, sample
 from marlhf.utils.dist import max_over_ranks
 from marlhf.utils.timing import NO_TIMER
 

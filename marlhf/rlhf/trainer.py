@@ -18,7 +18,6 @@ import torch
 
 from marlhf import loop
 from marlhf.data.pipeline import PromptCollator, ResumableSampler, SFTCollator, make_loader, plan_steps
-from marlhf.sampler import GenerationConfig, Samples
 from marlhf.rewards import RewardSource, score_samples
 from marlhf.rewards.reward_model import RewardModelSource
 from marlhf.rlhf import macro
@@ -29,6 +28,7 @@ from marlhf.rlhf.sections import BatchSection, MacroSection, RolloutSection, Upd
 from marlhf.rlhf.segmentation import MacroSegmenter
 from marlhf.rlhf.termination import rule_inputs
 from marlhf.rlhf.update import ppo_update
+from marlhf.sampler import GenerationConfig, Samples
 from marlhf.utils import dist
 from marlhf.utils.optim_step import StepGuard
 from marlhf.utils.timing import NO_TIMER
