@@ -14,7 +14,9 @@ def rollout_section(**change):
     from marlhf.config import RLHFArgs
     from marlhf.rlhf.sections import RolloutSection
 
-    return dataclasses.replace(RolloutSection.from_args(RLHFArgs()), **change)
+    section = RolloutSection.from_args(RLHFArgs())
+    policy = {k: change.pop(k) for k in ("logprob_temperature", "kl_ctl", "kl_penalty") if k in change}
+    return dataclasses.replace(section, policy=dataclasses.replace(section.policy, **policy), **change)
 
 
 def critic_free_advantages(estimator: str, scores, logprobs, ref_logprobs, mask, *, group_size: int, kl_ctl: float,

@@ -142,7 +142,8 @@ def test_sections_take_their_flags_and_declare_no_defaults():
     assert (critic.stage, critic.weight_decay, critic.zero_stage) == ("critic", 0.1, args.critic_zero_stage)
     rollout, update, macro = (RolloutSection.from_args(args), UpdateSection.from_args(args),
                               MacroSection.from_args(args, "code"))
-    assert rollout.kl_ctl == update.kl_ctl == 0.2 and rollout.lam == 0.9 and update.ppo_epochs == 2
+    assert rollout.policy == update.policy and rollout.policy.kl_ctl == 0.2
+    assert rollout.lam == 0.9 and update.ppo_epochs == 2
     assert macro.ngram is None and macro.split_last and macro.termination_condition == "fixed"
     assert macro.response_kind == "code"  # the run's resolved kind, not the flag's "auto"
     # step 3's batches, models and evaluation, and the whole of MA-PPO's sections, from the same flags
@@ -158,12 +159,13 @@ def test_sections_take_their_flags_and_declare_no_defaults():
         (False, 4, 0, 120)  # rloo trains no critic; the actor's LoRA rank falls back to --lora_dim
     mappo = MAPPOSections.from_args(args, response_kind="text", stop_ids=[7], pad_id=0)
     assert mappo.print_answers_interval == 5 and mappo.generation.stop_ids == (7,)
+    assert mappo.rollout.policy is mappo.update.policy  # the policy's temperature and KL: one section, shared
     assert EvalSection.from_args(args).batch == 4  # --per_device_eval_generation_batch_size 0: the training one
     assert LoopSection.from_args(args).tensorboard_path == "./output/tensorboard"
     data = DataSection.from_args(args)
     assert (data.max_seq_len, data.max_prompt_seq_len, data.data_path) == (0, 100, ("synthetic",))
     defaults, _ = parse_args(RLHFArgs, [])
-    assert RolloutSection.from_args(defaults).kl_ctl == dataclasses.fields(RLHFArgs)[
+    assert RolloutSection.from_args(defaults).policy.kl_ctl == dataclasses.fields(RLHFArgs)[
         [f.name for f in dataclasses.fields(RLHFArgs)].index("kl_ctl")].default
     with pytest.raises(ValueError, match="actor and a critic"):
         args.engine("reward")

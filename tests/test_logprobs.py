@@ -203,7 +203,7 @@ def test_the_first_ppo_epoch_ratio_is_exactly_one_with_the_sampling_temperature(
     nano = embedded.prepare(size="nano").model_dir
     args = rlhf_args(nano, tmp_path / "run", temperature=0.7, logprob_temperature="sampling")
     t = make_trainer(args)
-    assert t.rollout.logprob_temperature == 0.7 and t.update.logprob_temperature == 0.7
+    assert t.rollout.policy.logprob_temperature == 0.7 and t.update.policy is t.rollout.policy
     ids, mask = prompts(args, t.tokenizer, 8)
     exp, _ = t.make_experience(ids, mask, step=0)
     from marlhf.rlhf.rollout import policy_logprobs

@@ -60,7 +60,7 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], section: EvalSection,
                     sums.append(scores.sum().item())
                     squares.append(scores.square().sum().item())
             if ref is not None:
-                T = section.logprob_temperature  # the KL of training's π and π_ref (--logprob_temperature)
+                T = section.policy.logprob_temperature  # the KL of training's π and π_ref (--logprob_temperature)
                 lp = policy_logprobs(actor, out.seq, out.attention_mask, out.prompt_width, T)
                 lp_ref = policy_logprobs(ref, out.seq, out.attention_mask, out.prompt_width, T)
                 sums.append(torch.where(out.answer_mask, lp - lp_ref, 0.0).sum().item())

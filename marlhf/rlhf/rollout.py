@@ -314,7 +314,7 @@ def rewarded_batch(settings: RolloutSection, mask: torch.Tensor, valid: torch.Te
     KL's β = 0): zeros stand in, changing no number."""
     lp = logprobs if logprobs is not None else torch.zeros(mask.shape, device=mask.device)
     ref_lp = ref_logprobs if ref_logprobs is not None else lp
-    rewards = token_rewards(lp, ref_lp, mask, scores, settings.reward_kl_ctl, settings.clip_reward_value)
+    rewards = token_rewards(lp, ref_lp, mask, scores, settings.policy.reward_kl_ctl, settings.clip_reward_value)
     return AdvantageBatch(mask, valid, seg, lp, ref_lp, values, rewards, scores)
 
 
@@ -373,8 +373,9 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
     s, record = parts.settings, RolloutRecord(timer)
     out = generate(parts, prompt_ids, prompt_mask, record)  # y ~ π_old(·|x), K answers per prompt
     rollout = RolloutContext(parts, out, record)
-    logprobs, ref_logprobs, values = forwards(parts.actor, parts.ref, parts.critic, out, timer, s.logprob_temperature,
-                                              s.policy_forward, s.reference_forward)  # log π_old, log π_ref, V(s_t)
+    logprobs, ref_logprobs, values = forwards(parts.actor, parts.ref, parts.critic, out, timer,  # log π_old, log π_ref,
+                                              s.policy.logprob_temperature, s.policy_forward,  # V(s_t)
+                                              s.reference_forward)
     scores = score(rollout)  # the reward source's sequence scores
     mask, valid = trainable(out)  # answers long enough to train on
     seg = segment(rollout, mask, logprobs, ref_logprobs, step, batch)  # termination rule -> macro actions

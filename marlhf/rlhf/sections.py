@@ -58,6 +58,32 @@ def needed_forwards(*, kl_ctl: float, kl_penalty: str, ppo_epochs: int, actor_mi
 
 
 @dataclass(frozen=True)
+class PolicySection:
+    """The policy distribution every part of step 3 computes log-probabilities in, and its KL to the reference —
+    declared once, shared by the rollout, the update and the held-out evaluation: π = softmax(logits / T), β and
+    where the β KL goes (the reward or the loss, :func:`kl_in_reward`)."""
+
+    logprob_temperature: float  # T of π = softmax(logits / T) for π_old, π and π_ref
+    kl_ctl: float  # β
+    kl_penalty: str  # reward | loss
+
+    @classmethod
+    def from_args(cls, args) -> PolicySection:
+        return cls(logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature),
+                   kl_ctl=args.kl_ctl, kl_penalty=args.kl_penalty)
+
+    @property
+    def reward_kl_ctl(self) -> float:
+        """β of the per-token KL penalty in the reward: 0 when the KL is a loss term instead."""
+        return self.kl_ctl if kl_in_reward(self.kl_penalty) else 0.0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The policy loss gains β · the k3 KL (``--kl_penalty loss``; :func:`kl_in_reward` decides)."""
+        return not kl_in_reward(self.kl_penalty)
+
+
+@dataclass(frozen=True)
 class MacroSection:
     """Where macro actions end (paper §3.2.1): what every termination rule may read."""
 
@@ -86,7 +112,7 @@ class MacroSection:
 class RolloutSection:
     """Reward shaping and the advantage estimate of a rollout (and how ZeRO-3 generates)."""
 
-    kl_ctl: float
+    policy: PolicySection  # π's temperature and the KL (shared with the update)
     clip_reward_value: float | None
     value_function: str
     macro_reward: str
@@ -98,39 +124,34 @@ class RolloutSection:
     zero3_generation: str
     advantage_estimator: str
     num_samples_per_prompt: int  # K
-    kl_penalty: str
     grpo_normalization: str
-    logprob_temperature: float  # T of π = softmax(logits / T) for π_old and π_ref
     mc_rollouts: int  # mc_macro: continuations sampled from each macro boundary
     critic_mc_check: int  # > 0: with a critic, that many continuations per boundary to check its values
     policy_forward: bool  # log π_old from a forward of its own (False: the update's forward gives it)
     reference_forward: bool  # log π_ref (False: nothing reads it)
 
     @classmethod
-    def from_args(cls, args, rule_inputs: frozenset[str] = frozenset({"logprobs", "ref_logprobs"})) -> RolloutSection:
+    def from_args(cls, args, rule_inputs: frozenset[str] = frozenset({"logprobs", "ref_logprobs"}),
+                  policy: PolicySection | None = None) -> RolloutSection:
         """The flags; ``rule_inputs``: what the run's termination rule reads (the trainer passes the rule's own,
-        :func:`marlhf.rlhf.termination.rule_inputs`; by default both forwards run)."""
+        :func:`marlhf.rlhf.termination.rule_inputs`; by default both forwards run); ``policy``: the run's one
+        :class:`PolicySection` (built from the flags when not given)."""
         with_ptx = bool(getattr(args, "unsupervised_dataset_name", "")) and args.unsup_coef != 0
         micro = math.ceil(args.per_device_generation_batch_size * args.num_samples_per_prompt
                           / args.per_device_training_batch_size) * args.generation_batches * args.ppo_epochs
-        policy, reference = needed_forwards(kl_ctl=args.kl_ctl, kl_penalty=args.kl_penalty, ppo_epochs=args.ppo_epochs,
-                                            actor_micro_steps=micro * (2 if with_ptx else 1),
-                                            gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                            rule_inputs=rule_inputs)
-        return cls(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value,
+        policy = policy or PolicySection.from_args(args)
+        own_forward, reference = needed_forwards(
+            kl_ctl=policy.kl_ctl, kl_penalty=policy.kl_penalty, ppo_epochs=args.ppo_epochs,
+            actor_micro_steps=micro * (2 if with_ptx else 1),
+            gradient_accumulation_steps=args.gradient_accumulation_steps, rule_inputs=rule_inputs)
+        return cls(policy=policy, clip_reward_value=args.clip_reward_value,
                    value_function=args.value_function, macro_reward=args.macro_reward, gamma=args.gamma,
                    lam=args.lam, lam_critic=args.lam_critic, adaptive_lam_alpha=args.adaptive_lam_alpha,
                    whiten_advantages=args.whiten_advantages, zero3_generation=args.zero3_generation,
                    advantage_estimator=args.advantage_estimator, num_samples_per_prompt=args.num_samples_per_prompt,
-                   kl_penalty=args.kl_penalty, grpo_normalization=args.grpo_normalization,
-                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature),
-                   mc_rollouts=args.mc_rollouts, critic_mc_check=args.critic_mc_check,
-                   policy_forward=policy, reference_forward=reference)
-
-    @property
-    def reward_kl_ctl(self) -> float:
-        """β of the per-token KL penalty in the reward: 0 when the KL is a loss term instead."""
-        return self.kl_ctl if kl_in_reward(self.kl_penalty) else 0.0
+                   grpo_normalization=args.grpo_normalization, mc_rollouts=args.mc_rollouts,
+                   critic_mc_check=args.critic_mc_check,
+                   policy_forward=own_forward, reference_forward=reference)
 
 
 @dataclass(frozen=True)
@@ -145,23 +166,15 @@ class UpdateSection:
     cliprange_value: float
     policy_ratio: str
     unsup_coef: float
-    kl_penalty: str  # "loss": + kl_ctl · k3 KL in the policy loss
-    kl_ctl: float
-    logprob_temperature: float  # π = softmax(logits / T), as π_old was
+    policy: PolicySection  # π = softmax(logits / T), as π_old was; with --kl_penalty loss, + β · k3 KL in the loss
 
     @classmethod
-    def from_args(cls, args) -> UpdateSection:
+    def from_args(cls, args, policy: PolicySection | None = None) -> UpdateSection:
         return cls(ppo_epochs=args.ppo_epochs, micro_batch=args.per_device_training_batch_size,
                    gradient_accumulation_steps=args.gradient_accumulation_steps,
                    loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
                    cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
-                   kl_penalty=args.kl_penalty, kl_ctl=args.kl_ctl,
-                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))
-
-    @property
-    def kl_in_loss(self) -> bool:
-        """The policy loss gains β · the k3 KL (``--kl_penalty loss``; :func:`kl_in_reward` decides)."""
-        return not kl_in_reward(self.kl_penalty)
+                   policy=policy or PolicySection.from_args(args))
 
 
 @dataclass(frozen=True)
@@ -197,10 +210,9 @@ class EvalSection:
 
     batch: int  # prompts per rank per batch
     zero3_generation: str
-    logprob_temperature: float  # T of π and π_ref in the KL, as in training
+    policy: PolicySection  # T of π and π_ref in the KL, as in training
 
     @classmethod
     def from_args(cls, args) -> EvalSection:
         return cls(batch=args.per_device_eval_generation_batch_size or args.per_device_generation_batch_size,
-                   zero3_generation=args.zero3_generation,
-                   logprob_temperature=logprob_temperature(args.logprob_temperature, args.temperature))
+                   zero3_generation=args.zero3_generation, policy=PolicySection.from_args(args))

@@ -24,7 +24,7 @@ from marlhf.rlhf import macro
 from marlhf.rlhf.advantages import build_estimator
 from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema
 from marlhf.rlhf.rollout import Experience, RolloutParts, make_experience
-from marlhf.rlhf.sections import BatchSection, MacroSection, RolloutSection, UpdateSection
+from marlhf.rlhf.sections import BatchSection, MacroSection, PolicySection, RolloutSection, UpdateSection
 from marlhf.rlhf.segmentation import MacroSegmenter
 from marlhf.rlhf.termination import rule_inputs
 from marlhf.rlhf.update import ppo_update
@@ -54,9 +54,9 @@ class MAPPOSections:
     @classmethod
     def from_args(cls, args, *, response_kind: str, stop_ids, pad_id: int) -> MAPPOSections:
         """Step 3's flags, with the run's resolved response kind and the tokenizer's stop and pad ids."""
-        macro = MacroSection.from_args(args, response_kind)
-        return cls(macro=macro, rollout=RolloutSection.from_args(args, rule_inputs(macro)),
-                   update=UpdateSection.from_args(args), batches=BatchSection.from_args(args),
+        macro, policy = MacroSection.from_args(args, response_kind), PolicySection.from_args(args)
+        return cls(macro=macro, rollout=RolloutSection.from_args(args, rule_inputs(macro), policy),
+                   update=UpdateSection.from_args(args, policy), batches=BatchSection.from_args(args),
                    loop=loop.LoopSection.from_args(args), generation=GenerationConfig.from_args(args, stop_ids, pad_id),
                    max_skipped_steps=args.max_skipped_steps, ema_decay=args.ema_decay,
                    print_answers_interval=args.print_answers_interval if args.print_answers else 0)
@@ -140,7 +140,7 @@ class MAPPOTrainer(loop.Recipe):
                  self._num_prompts, steps_per_epoch, total, start, m.termination_condition, n, r.value_function,
                  self.update.policy_ratio)
         log.info("advantages: %s, K=%d samples per prompt, KL in the %s", r.advantage_estimator,
-                 r.num_samples_per_prompt, r.kl_penalty)
+                 r.num_samples_per_prompt, r.policy.kl_penalty)
 
     def train(self, prompts: list[dict], ptx_items: list[dict] | None = None, evaluate=None) -> int:
         """MA-PPO over ``prompts`` in the one loop (:func:`marlhf.loop.run`); ``evaluate()`` (held-out metrics) is

@@ -50,16 +50,16 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
             dropped_before = guard.dropped  # the critic's window starts
         P = mb.prompt_width
         with timer("train/actor"):
-            logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P, s.logprob_temperature)
+            logprobs = policy_logprobs(actor, mb.seq, mb.attention_mask, P, s.policy.logprob_temperature)
             # no π_old from the rollout: no update has come since it (one epoch, one optimizer step), so it is
             # this forward's value (sections.needed_forwards)
             old = mb.logprobs if mb.logprobs is not None else logprobs.detach()
             pl, pstats = policy_loss(logprobs, old, mb.advantages, mb.mask, s.cliprange, seg=mb.seg,
                                      ratio=s.policy_ratio)
-            if s.kl_in_loss and mb.ref_logprobs is not None:  # GRPO's KL term (none when β = 0)
+            if s.policy.kl_in_loss and mb.ref_logprobs is not None:  # GRPO's KL term (none when β = 0)
                 kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
                 pstats["kl_loss"] = kl.detach()
-                pl = pl + s.kl_ctl * kl
+                pl = pl + s.policy.kl_ctl * kl
             guard.backward(actor, pl * pl_mult[i], "actor loss")
             guard.step(actor)
         stats = {"actor_loss": pl.detach(), **pstats}

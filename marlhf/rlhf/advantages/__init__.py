@@ -145,8 +145,8 @@ class SequenceEstimator(AdvantageEstimator):
     @torch.no_grad()  # advantages weight the policy loss; never backpropagate into them
     def __call__(self, batch: AdvantageBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         s, mask, valid = self.settings, batch.mask, batch.valid.bool()
-        R = sequence_returns(batch.scores, batch.logprobs, batch.ref_logprobs, mask, s.kl_ctl, s.clip_reward_value,
-                             s.kl_penalty)  # (N,)
+        R = sequence_returns(batch.scores, batch.logprobs, batch.ref_logprobs, mask, s.policy.kl_ctl,
+                             s.clip_reward_value, s.policy.kl_penalty)  # (N,)
         A = self.advantages(R, valid)
         n = valid.sum().clamp(min=1)
         mean = torch.where(valid, A, 0.0).sum() / n
