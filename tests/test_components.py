@@ -143,7 +143,7 @@ def test_sections_take_their_flags_and_declare_no_defaults():
     rollout, update, macro = (RolloutSection.from_args(args), UpdateSection.from_args(args),
                               MacroSection.from_args(args, "code"))
     assert rollout.policy == update.policy and rollout.policy.kl_ctl == 0.2
-    assert rollout.lam == 0.9 and update.ppo_epochs == 2
+    assert rollout.lam == 0.9 and update.batches.ppo_epochs == 2
     assert macro.ngram is None and macro.split_last and macro.termination_condition == "fixed"
     assert macro.response_kind == "code"  # the run's resolved kind, not the flag's "auto"
     # step 3's batches, models and evaluation, and the whole of MA-PPO's sections, from the same flags
@@ -160,6 +160,7 @@ def test_sections_take_their_flags_and_declare_no_defaults():
     mappo = MAPPOSections.from_args(args, response_kind="text", stop_ids=[7], pad_id=0)
     assert mappo.print_answers_interval == 5 and mappo.generation.stop_ids == (7,)
     assert mappo.rollout.policy is mappo.update.policy  # the policy's temperature and KL: one section, shared
+    assert mappo.update.batches is mappo.batches  # the epochs, micro-batch and accumulation: declared once
     assert EvalSection.from_args(args).batch == 4  # --per_device_eval_generation_batch_size 0: the training one
     assert LoopSection.from_args(args).tensorboard_path == "./output/tensorboard"
     data = DataSection.from_args(args)

@@ -155,29 +155,6 @@ class RolloutSection:
 
 
 @dataclass(frozen=True)
-class UpdateSection:
-    """The PPO update: epochs over the experience, micro-batches, clipping, the losses' extra terms."""
-
-    ppo_epochs: int
-    micro_batch: int  # --per_device_training_batch_size
-    gradient_accumulation_steps: int
-    loss_aggregation: str
-    cliprange: float
-    cliprange_value: float
-    policy_ratio: str
-    unsup_coef: float
-    policy: PolicySection  # π = softmax(logits / T), as π_old was; with --kl_penalty loss, + β · k3 KL in the loss
-
-    @classmethod
-    def from_args(cls, args, policy: PolicySection | None = None) -> UpdateSection:
-        return cls(ppo_epochs=args.ppo_epochs, micro_batch=args.per_device_training_batch_size,
-                   gradient_accumulation_steps=args.gradient_accumulation_steps,
-                   loss_aggregation=args.loss_aggregation, cliprange=args.cliprange,
-                   cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio, unsup_coef=args.unsup_coef,
-                   policy=policy or PolicySection.from_args(args))
-
-
-@dataclass(frozen=True)
 class BatchSection:
     """How much step 3 generates and trains on per step, and for how long."""
 
@@ -202,6 +179,27 @@ class BatchSection:
     @property
     def experiences_per_batch(self) -> int:
         return self.generation_batch * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class UpdateSection:
+    """The PPO update: epochs over the experience in micro-batches (``batches``: the step's one
+    :class:`BatchSection`), clipping, the losses' extra terms."""
+
+    batches: BatchSection  # ppo_epochs, training_batch (the micro-batch), gradient_accumulation_steps
+    loss_aggregation: str
+    cliprange: float
+    cliprange_value: float
+    policy_ratio: str
+    unsup_coef: float
+    policy: PolicySection  # π = softmax(logits / T), as π_old was; with --kl_penalty loss, + β · k3 KL in the loss
+
+    @classmethod
+    def from_args(cls, args, policy: PolicySection | None = None,
+                  batches: BatchSection | None = None) -> UpdateSection:
+        return cls(batches=batches or BatchSection.from_args(args), loss_aggregation=args.loss_aggregation,
+                   cliprange=args.cliprange, cliprange_value=args.cliprange_value, policy_ratio=args.policy_ratio,
+                   unsup_coef=args.unsup_coef, policy=policy or PolicySection.from_args(args))
 
 
 @dataclass(frozen=True)

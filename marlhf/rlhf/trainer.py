@@ -54,9 +54,10 @@ class MAPPOSections:
     @classmethod
     def from_args(cls, args, *, response_kind: str, stop_ids, pad_id: int) -> MAPPOSections:
         """Step 3's flags, with the run's resolved response kind and the tokenizer's stop and pad ids."""
-        macro, policy = MacroSection.from_args(args, response_kind), PolicySection.from_args(args)
+        macro, policy, batches = (MacroSection.from_args(args, response_kind), PolicySection.from_args(args),
+                                  BatchSection.from_args(args))
         return cls(macro=macro, rollout=RolloutSection.from_args(args, rule_inputs(macro), policy),
-                   update=UpdateSection.from_args(args, policy), batches=BatchSection.from_args(args),
+                   update=UpdateSection.from_args(args, policy, batches), batches=batches,
                    loop=loop.LoopSection.from_args(args), generation=GenerationConfig.from_args(args, stop_ids, pad_id),
                    max_skipped_steps=args.max_skipped_steps, ema_decay=args.ema_decay,
                    print_answers_interval=args.print_answers_interval if args.print_answers else 0)

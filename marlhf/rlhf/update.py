@@ -23,7 +23,7 @@ from marlhf.utils.timing import NO_TIMER
 
 def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings: UpdateSection,
                ptx_batches: Iterator[dict] | None = None, timer=NO_TIMER) -> dict:
-    """``ppo_epochs`` passes over the experience in micro-batches of ``micro_batch``; mean statistics.
+    """``ppo_epochs`` passes over the experience in micro-batches of ``training_batch``; mean statistics.
 
     Every loss is a token mean over the whole optimizer step by default (``--loss_aggregation``,
     :mod:`marlhf.utils.optim_step`): the real tokens of each accumulation window are counted on all
@@ -32,8 +32,8 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
     for the critic-free estimators: no value loss.  ``timer`` (:mod:`marlhf.utils.timing`) times each model's
     forward + backward + optimizer step as ``train/actor``, ``train/critic`` and ``train/ptx``."""
     s = settings
-    G = s.gradient_accumulation_steps
-    plan = [mb for _ in range(s.ppo_epochs) for exp in exps for mb in exp.split(s.micro_batch)]
+    G = s.batches.gradient_accumulation_steps
+    plan = [mb for _ in range(s.batches.ppo_epochs) for exp in exps for mb in exp.split(s.batches.training_batch)]
     ptx = [next(ptx_batches) for _ in plan] if ptx_batches is not None else None
     per_actor = 2 if ptx is not None else 1  # actor micro-steps per micro-batch
     # one host transfer for all counts (no sync per micro-batch)
