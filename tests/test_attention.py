@@ -97,3 +97,20 @@ def test_a_class_transformers_does_not_map_keeps_its_own_choice():
     assert loading.resolve_attn_implementation(RemoteConfig(), "auto") is None
     assert loading._attn_kwargs(RemoteConfig(), torch.float32, False, "auto") == {}
     assert loading.resolve_attn_implementation(RemoteConfig(), "eager") == "eager"
+
+
+def test_soft_capped_attention_never_gets_sdpa(monkeypatch):
+    """Gemma-2's attention logits are soft-capped, which SDPA cannot compute; transformers before 5.21 declared
+    sdpa for Gemma-2 anyway and ran it without the cap.  Whatever the class declares, auto picks eager for a
+    soft-capped config and sdpa asked for by name is refused, naming the cap."""
+    from transformers import Gemma2ForCausalLM
+
+    monkeypatch.setattr(Gemma2ForCausalLM, "_supports_sdpa", True)  # what transformers < 5.21 declared
+    gemma2 = CONFIGS["gemma2"]
+    assert gemma2.attn_logit_softcapping == 50.0
+    assert loading.resolve_attn_implementation(gemma2, "auto", torch.float32) == "eager"
+    with pytest.raises(PlatformError, match=r"sdpa: gemma2's attention logits are soft-capped "
+                                            r"\(attn_logit_softcapping=50.0\), which SDPA cannot compute"):
+        loading.resolve_attn_implementation(gemma2, "sdpa")
+    uncapped = type(gemma2).from_dict({**gemma2.to_dict(), "attn_logit_softcapping": None})
+    assert loading.resolve_attn_implementation(uncapped, "auto", torch.float32) == "sdpa"

@@ -148,11 +148,13 @@ def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.
                                 value_head: bool = False) -> str | None:
     """The attention a model of ``cfg`` runs with.  ``auto`` picks per architecture from what its transformers
     class declares: flash_attention_2 where the class supports it, flash-attn is installed, a GPU is present and
-    the dtype is 16-bit (its kernels take no fp32); else sdpa where the class supports it; else eager.  Gemma-2
-    declares no sdpa (its attention logits are soft-capped, which SDPA cannot do; transformers 5's flash-attention
-    kernels and eager can), so it gets eager on a CPU and flash_attention_2 on a GPU with flash-attn.  A class
-    transformers does not map (remote code) gets None under auto: transformers' own choice.
-    flash_attention_2 requested where it cannot run is a :class:`~marlhf.errors.PlatformError` saying why."""
+    the dtype is 16-bit (its kernels take no fp32); else sdpa where the class supports it; else eager.  A model
+    whose attention logits are soft-capped (Gemma-2's ``attn_logit_softcapping``) never gets sdpa, which cannot
+    compute the cap, whatever its class declares: transformers before 5.21 declared sdpa for Gemma-2 and ran it
+    without the cap; eager and transformers 5's flash-attention kernels apply it.  So Gemma-2 gets eager on a CPU
+    and flash_attention_2 on a GPU with flash-attn.  A class transformers does not map (remote code) gets None
+    under auto: transformers' own choice.  flash_attention_2 requested where it cannot run, or sdpa requested
+    for soft-capped attention, is a :class:`~marlhf.errors.PlatformError` saying why."""
     requested = requested or _REQUESTED_ATTN.get()
     if requested not in ATTN_IMPLEMENTATIONS:
         from marlhf.errors import ConfigError
@@ -169,6 +171,13 @@ def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.
             raise PlatformError(f"--attn_implementation flash_attention_2: {why}; use --attn_implementation auto "
                                 f"(sdpa or eager, whichever the architecture supports)")
         return requested
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if requested == "sdpa" and softcap:
+        from marlhf.errors import PlatformError
+
+        raise PlatformError(f"--attn_implementation sdpa: {getattr(cfg, 'model_type', 'this model')}'s attention "
+                            f"logits are soft-capped (attn_logit_softcapping={softcap}), which SDPA cannot compute; "
+                            f"use --attn_implementation auto (eager, or flash_attention_2 on a GPU)")
     if requested != "auto":
         return requested
     if cls is None:  # remote code: its class says what it supports, transformers reads it
@@ -176,7 +185,7 @@ def resolve_attn_implementation(cfg, requested: str | None = None, dtype: torch.
     if getattr(cls, "_supports_flash_attn", False) and dtype in (torch.bfloat16, torch.float16) \
             and _flash_attention_usable() is None:
         return "flash_attention_2"
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) and not softcap else "eager"
 
 
 def _attn_kwargs(cfg, dtype: torch.dtype, value_head: bool, requested: str | None) -> dict:
