@@ -75,7 +75,7 @@ def pair_hidden_states(base: nn.Module, input_ids: torch.Tensor, attention_mask:
     prefix = base(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
                   position_ids=positions[first, :P], use_cache=True)
     # transformers 5.24 renamed the KV cache `cache`, output field and forward argument alike (`past_key_values`
-    # warns there and goes in 5.40); 5.20-5.23 call both `past_key_values`
+    # warns there and goes in 5.40); earlier versions call both `past_key_values`
     name = "cache" if "cache" in prefix else "past_key_values"
     cache = prefix[name]
     cache.batch_select_indices(prefix_index)  # group g's keys and values -> each of its rows
