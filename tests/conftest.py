@@ -116,16 +116,6 @@ def quickstart_sft_args() -> dict:
     return {k: v for k, v in sorted(vars(ns).items()) if k not in PATH_FLAGS}
 
 
-def _digest(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode() + b"\0")
-        with p.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
 def quickstart_sft_model(cache: Path | None = None) -> Path:
     """The quick start's step-1 model trained by its own launch script (``SFT_SCRIPT`` with ``QUICKSTART_SFT_ENV``,
     600 steps, about 3.5 to 7 minutes on 2 CPU cores) once per machine: under ``cache`` (default
@@ -133,6 +123,8 @@ def quickstart_sft_model(cache: Path | None = None) -> Path:
     embedded task, tokenizer and initial model it starts from, so a change to any of them trains a new one.
     A file lock keeps concurrent callers (pytest-xdist workers) from training it twice; the run writes a
     temporary sibling that is renamed into place when complete, so a crash leaves no half model."""
+    from lab.records import files_digest
+
     from marlhf import embedded as emb
     from marlhf.utils.cache import build_atomically
 
@@ -141,7 +133,7 @@ def quickstart_sft_model(cache: Path | None = None) -> Path:
     task = emb.prepare()
     inputs = [task.data_file, task.tokenizer_dir / "tokenizer.json", task.model_dir / "config.json",
               task.model_dir / "model.safetensors"]
-    key = hashlib.sha256(json.dumps({"args": args, "embedded": _digest(inputs)}, sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps({"args": args, "embedded": files_digest(inputs)}, sort_keys=True).encode())
     target = cache / f"quickstart-sft-{key.hexdigest()[:16]}"
     if (target / "model.safetensors").exists():
         return target

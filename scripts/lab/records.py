@@ -54,8 +54,13 @@ def weights_digest(folder: str | Path) -> str:
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not files:
         raise FileNotFoundError(f"{folder}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    return files_digest(files)
+
+
+def files_digest(paths: list[Path]) -> str:
+    """sha256 over each file's name and bytes, in the order given."""
     h = hashlib.sha256()
-    for p in files:
+    for p in paths:
         h.update(p.name.encode() + b"\0")
         with p.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
