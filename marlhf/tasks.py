@@ -33,7 +33,7 @@ from marlhf.data.adapters import dataset_name
 # elsewhere (a folder of the user's own tasks).
 APPLICATIONS_DIR = Path(os.environ.get("MARLHF_APPLICATIONS", Path(__file__).resolve().parent / "applications"))
 POSTPROCESSORS = ("strip", "code_block")
-REWARD_SOURCES = ("reward_model", "program_tests")
+TASK_REWARD_SOURCES = ("reward_model", "program_tests")  # what a task.json may name: the others need flags of their own
 RESPONSE_KINDS = ("text", "code")
 GOLD_SCORERS = ("synthetic",)
 LAUNCH_KEYS = ("data_path", "data_split", "max_prompt_seq_len", "max_answer_seq_len")
@@ -170,7 +170,7 @@ def load_task(name_or_path: str | Path, root: str | Path = APPLICATIONS_DIR) -> 
     for field in _REQUIRED:
         if field not in spec:
             raise bad(field, "missing")
-    for field, allowed in (("postprocess", POSTPROCESSORS), ("reward_source", REWARD_SOURCES),
+    for field, allowed in (("postprocess", POSTPROCESSORS), ("reward_source", TASK_REWARD_SOURCES),
                            ("response_kind", RESPONSE_KINDS)):
         if spec[field] not in allowed:
             raise bad(field, f"expected one of {allowed}, got {spec[field]!r}")
