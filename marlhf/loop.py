@@ -17,41 +17,19 @@ the same batches (and, with the RNG state restored by the checkpoint, the same d
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from marlhf.utils import checkpoint, dist, events
 from marlhf.utils.tracking import Tracker
 
+if TYPE_CHECKING:
+    from marlhf.sections import LoopSection
+
 log = logging.getLogger("marlhf")
-
-
-@dataclass(frozen=True)
-class LoopSection:
-    """When the loop evaluates and checkpoints, and where it writes (from the stage's flags)."""
-
-    output_dir: str
-    seed: int
-    eval_interval: int  # evaluate every N steps (0: never in the middle)
-    save_steps: int  # checkpoint every N steps (0: never)
-    keep_checkpoints: int
-    resume: bool
-    tensorboard_path: str
-    enable_tensorboard: bool
-    print_loss: bool
-    disable_progress_bar: bool
-
-    @classmethod
-    def from_args(cls, args) -> LoopSection:
-        return cls(output_dir=args.output_dir, seed=args.seed, eval_interval=args.eval_interval,
-                   save_steps=args.save_steps, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-                   tensorboard_path=args.tensorboard_path or os.path.join(args.output_dir, "tensorboard"),
-                   enable_tensorboard=args.enable_tensorboard,
-                   print_loss=args.print_loss, disable_progress_bar=args.disable_progress_bar)
 
 
 class Recipe:

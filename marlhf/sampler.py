@@ -54,12 +54,6 @@ class GenerationConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    @classmethod
-    def from_args(cls, args, stop_ids, pad_id: int, seed: int | None = None) -> GenerationConfig:
-        """The step-3 flags (``--temperature --top_k --top_p --max_answer_seq_len``)."""
-        return cls(max_new_tokens=args.max_answer_seq_len, stop_ids=tuple(stop_ids), pad_id=pad_id,
-                   temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p, seed=seed)
-
 
 @dataclass
 class Samples:

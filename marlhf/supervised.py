@@ -26,7 +26,7 @@ from marlhf.utils.ds_engine import engine_from_section
 from marlhf.utils.optim_step import StepGuard, all_reduce_sum, loss_multipliers
 
 if TYPE_CHECKING:
-    from marlhf.config import EngineSection
+    from marlhf.sections import EngineSection, LoopSection, SupervisedSection
 
 log = logging.getLogger("marlhf")
 
@@ -243,46 +243,25 @@ class SupervisedRecipe(loop.Recipe):
                  self.num_items, steps_per_epoch, total, start, dist.world_size())
 
 
-@dataclass(frozen=True)
-class SupervisedSection:
-    """Steps 1-2's batches and schedule (the engine's optimizer is its :class:`~marlhf.config.EngineSection`)."""
-
-    micro_batch: int  # --per_device_train_batch_size
-    eval_micro_batch: int  # --per_device_eval_batch_size
-    gradient_accumulation_steps: int
-    num_train_epochs: int
-    max_steps: int
-    group_by_length: bool
-    seed: int  # the sampler's
-    loss_aggregation: str
-    max_skipped_steps: int
-
-    @classmethod
-    def from_args(cls, args) -> SupervisedSection:
-        return cls(micro_batch=args.per_device_train_batch_size, eval_micro_batch=args.per_device_eval_batch_size,
-                   gradient_accumulation_steps=args.gradient_accumulation_steps,
-                   num_train_epochs=args.num_train_epochs, max_steps=args.max_steps,
-                   group_by_length=args.group_by_length, seed=args.seed, loss_aggregation=args.loss_aggregation,
-                   max_skipped_steps=args.max_skipped_steps)
-
-
 def train(model, train_items: list[dict], eval_items: list[dict], objective: Objective, section: SupervisedSection,
-          engine: EngineSection, loop_section: loop.LoopSection):
+          engine: EngineSection, loop_section: LoopSection):
     """Train ``model`` on ``train_items`` with ``objective`` under DeepSpeed; returns the engine.
 
     The loop (:func:`marlhf.loop.run`) evaluates before training and every ``--eval_interval`` steps / epoch
     end, checkpoints every ``--save_steps`` (resumable with ``--resume``), logs to
     ``<output_dir>/metrics.jsonl`` (+ TensorBoard)."""
-    mb, ga = section.micro_batch, section.gradient_accumulation_steps
+    mb, ga = section.micro_batch, section.schedule.gradient_accumulation_steps
     lengths = [objective.length(item) for item in train_items] if section.group_by_length else None
     groups = [objective.group(item) for item in train_items] if objective.group else None
-    sampler = ResumableSampler(len(train_items), section.seed, lengths=lengths, batch_size=mb, groups=groups)
+    schedule = section.schedule
+    sampler = ResumableSampler(len(train_items), schedule.seed, lengths=lengths, batch_size=mb, groups=groups)
     loader = make_loader(train_items, mb, sampler, objective.collator)
     eval_loader = make_loader(eval_items, section.eval_micro_batch,
-                              ResumableSampler(len(eval_items), section.seed, shuffle=False), objective.collator)
-    steps_per_epoch, total = plan_steps(len(train_items), mb, ga, section.num_train_epochs, section.max_steps)
+                              ResumableSampler(len(eval_items), schedule.seed, shuffle=False), objective.collator)
+    steps_per_epoch, total = plan_steps(len(train_items), mb, ga, schedule.num_train_epochs, schedule.max_steps)
     ds_engine = engine_from_section(model, engine, total, mb)
-    recipe = SupervisedRecipe(ds_engine, objective, eval_loader, section.loss_aggregation, section.max_skipped_steps,
+    recipe = SupervisedRecipe(ds_engine, objective, eval_loader, section.robustness.loss_aggregation,
+                              section.robustness.max_skipped_steps,
                               len(train_items))
     ds_engine.train()
     loop.run(recipe, loader, sampler, loop_section, steps_per_epoch=steps_per_epoch, total=total,

@@ -113,13 +113,15 @@ def pass_counts(model: Path, records: list, cfg: dict, n: int, workers: int, see
 
     from marlhf.eval.generate_tool import LoadedPolicy, batch_seed
     from marlhf.rewards.program_tests import run_responses
+    from marlhf.sections import SamplingSection
 
     policy = LoadedPolicy(str(model))
     responses = []
     with torch.no_grad():
         for b, start in enumerate(range(0, len(records), 16)):
-            gen = policy.config(cfg["max_answer_seq_len"], temperature=cfg["temperature"], top_k=cfg["top_k"],
-                                top_p=cfg["top_p"], seed=batch_seed(seed, b))
+            sampling = SamplingSection(max_new_tokens=cfg["max_answer_seq_len"], temperature=cfg["temperature"],
+                                       top_k=cfg["top_k"], top_p=cfg["top_p"])
+            gen = policy.config(sampling, seed=batch_seed(seed, b))
             chunk = [r.prompt for r in records[start:start + 16]]
             responses += policy.sample(chunk, gen, n, cfg["max_prompt_seq_len"])[0]
     results = run_responses(responses, [r.meta for r in records for _ in range(n)], workers=workers)

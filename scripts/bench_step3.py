@@ -59,12 +59,12 @@ from lab.perf import PeakRSS, matmul_peak_gflops, tensor_megabytes  # noqa: E402
 from lab.sweep import BASELINE, VARIANTS  # noqa: E402
 
 from marlhf import embedded  # noqa: E402
-from marlhf.cli._run import step3_context, step3_trainer  # noqa: E402
+from marlhf.cli._run import data_section, mappo_sections, step3_context, step3_trainer  # noqa: E402  # noqa: E402
 from marlhf.config import RLHFArgs, parse_args  # noqa: E402
-from marlhf.data.pipeline import DataSection, PromptCollator, build_phase_data  # noqa: E402
+from marlhf.data.pipeline import PromptCollator, build_phase_data  # noqa: E402
 from marlhf.models.loading import load_tokenizer_and_format, stop_token_ids  # noqa: E402
 from marlhf.rlhf.advantages import estimator_class  # noqa: E402
-from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer  # noqa: E402
+from marlhf.rlhf.trainer import MAPPOTrainer  # noqa: E402
 from marlhf.tasks import resolve_task  # noqa: E402
 from marlhf.utils import dist  # noqa: E402
 from marlhf.utils.machine import cpu_name  # noqa: E402
@@ -252,7 +252,7 @@ def main(argv=None) -> None:
         base = args[BASELINE]
         tok, fmt = load_tokenizer_and_format(model_dir, base.end_of_conversation_token, base.prompt_format,
                                              padding_side="left")
-        prompts = build_phase_data(DataSection.from_args(base, fmt), tok, phase=3).train[:cli.batch]
+        prompts = build_phase_data(data_section(base, fmt), tok, phase=3).train[:cli.batch]
     task = resolve_task(base.task, base.data_path)
     context = step3_context(base, model_dir, task)
     rlhf = step3_trainer(base, model_dir, tok, fmt, context, task, total_steps=100)[0].rlhf
@@ -260,12 +260,12 @@ def main(argv=None) -> None:
     for v in cli.variants:
         critic = estimator_class(args[v].advantage_estimator).needs_critic
         view = rlhf if critic else dataclasses.replace(rlhf, critic=None)
-        sections = MAPPOSections.from_args(args[v], response_kind=context["response_kind"],
-                                           stop_ids=stop_token_ids(tok, fmt.end_of_conversation_token),
-                                           pad_id=tok.pad_token_id)
+        sections = mappo_sections(args[v], response_kind=context["response_kind"],
+                                  stop_ids=stop_token_ids(tok, fmt.end_of_conversation_token),
+                                  pad_id=tok.pad_token_id)
         if cli.all_forwards:
             sections = dataclasses.replace(sections, rollout=dataclasses.replace(
-                sections.rollout, policy_forward=True, reference_forward=True))
+                sections.rollout, rule_inputs=frozenset({"logprobs", "ref_logprobs"})))  # both forwards run
         trainers[v] = MAPPOTrainer(view, tok, sections)
         n = args[v].per_device_generation_batch_size
         batches[v] = PromptCollator(tok.pad_token_id)(prompts[:n])  # collated alone: no extra left padding

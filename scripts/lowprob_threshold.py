@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from marlhf.config import BaseArgs, RLHFArgs
 from marlhf.data.formatting import PromptFormatter
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids
 from marlhf.rlhf.macro import fixed_starts, lowprob_starts
 from marlhf.rlhf.rollout import policy_logprobs
 from marlhf.sampler import GenerationConfig, sample
+from marlhf.sections import SamplingSection, ScheduleSection
+from marlhf.utils.flags import add_flags
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
 NGRAMS = (1, 5, 10)
@@ -76,12 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="", help="JSON lines with a 'prompt' field (default: the embedded task's)")
     p.add_argument("--num_prompts", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=RLHFArgs.temperature)
-    p.add_argument("--top_k", type=int, default=RLHFArgs.top_k)
-    p.add_argument("--top_p", type=float, default=RLHFArgs.top_p)
-    p.add_argument("--max_answer_seq_len", type=int, default=64)
+    add_flags(p, SamplingSection, only=("temperature", "top_k", "top_p"))  # step 3's sampling
+    p.add_argument("--max_answer_seq_len", type=int, default=64, help="answer tokens (shorter than step 3's: a table)")
     p.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
-    p.add_argument("--seed", type=int, default=BaseArgs.seed)
+    add_flags(p, ScheduleSection, only=("seed",))
     p.add_argument("--out", default="", help="write the table here as JSON")
     args = p.parse_args(argv)
     if args.prompts:

@@ -66,9 +66,11 @@ def _master_weights(engine) -> dict[str, torch.Tensor]:
 
 
 def _section(stage: str, zero: int, accum: int, dtype: str):
-    from marlhf.config import EngineSection
+    from marlhf.sections import EngineSection, ScheduleSection
 
-    return EngineSection(stage, LR, 0.0, LR, accum, zero, False, dtype, "constant", 0, 0.0, False)
+    return EngineSection(stage=stage, learning_rate=LR, weight_decay=0.0, lora_learning_rate=LR, zero_stage=zero,
+                         offload=False, dtype=dtype, gradient_checkpointing=False,
+                         schedule=ScheduleSection(gradient_accumulation_steps=accum, lr_scheduler_type="constant"))
 
 
 def _supervised(folder: str, rm_folder: str, world: int, accum: int, zero: int, dtype: str, rank: int) -> dict:

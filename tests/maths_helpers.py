@@ -14,9 +14,11 @@ def rollout_section(**change):
     from marlhf.config import RLHFArgs
     from marlhf.rlhf.sections import RolloutSection
 
-    section = RolloutSection.from_args(RLHFArgs())
+    section = RolloutSection.build(RLHFArgs())
     policy = {k: change.pop(k) for k in ("logprob_temperature", "kl_ctl", "kl_penalty") if k in change}
-    return dataclasses.replace(section, policy=dataclasses.replace(section.policy, **policy), **change)
+    batches = {"samples_per_prompt": change.pop("num_samples_per_prompt")} if "num_samples_per_prompt" in change else {}
+    return dataclasses.replace(section, policy=dataclasses.replace(section.policy, **policy),
+                               batches=dataclasses.replace(section.batches, **batches), **change)
 
 
 def critic_free_advantages(estimator: str, scores, logprobs, ref_logprobs, mask, *, group_size: int, kl_ctl: float,

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from marlhf.cli._run import step3_context, step3_trainer
+from marlhf.cli._run import data_section, step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
-from marlhf.data.pipeline import DataSection
 from marlhf.models.loading import load_tokenizer_and_format
 from marlhf.rlhf.rollout import Experience
 from marlhf.rlhf.trainer import MAPPOTrainer
@@ -71,7 +70,7 @@ def phase3_data(args, tok):
     from marlhf.data.pipeline import build_phase_data
 
     _, fmt = step3_tokenizer(args)
-    return build_phase_data(DataSection.from_args(args, fmt), tok, phase=3)
+    return build_phase_data(data_section(args, fmt), tok, phase=3)
 
 
 def evaluate(trainer, items, args, sources, **kw) -> dict:
@@ -80,7 +79,7 @@ def evaluate(trainer, items, args, sources, **kw) -> dict:
     from marlhf.rlhf.sections import EvalSection
 
     return evaluate_policy(trainer.rlhf.actor if "actor" not in kw else kw.pop("actor"), trainer.tokenizer, items,
-                           EvalSection.from_args(args), trainer.gen_cfg, sources, **kw)
+                           EvalSection.build(args), trainer.gen_cfg, sources, **kw)
 
 
 def prompts(args, tok, n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,12 +48,12 @@ def test_training_help_groups_flags_by_section(capsys):
     with pytest.raises(SystemExit):
         marlhf_main(["ppo", "--help"])
     text = capsys.readouterr().out
-    sections = ["data:", "optimisation:", "DeepSpeed / precision:", "LoRA:", "models:", "reward source:",
-                "PPO, sampling and macro actions:", "advantage estimator:"]
-    at = [text.index(f"\n{s}\n") for s in sections]  # each a group heading of its own
-    assert at[:4] == sorted(at[:4])
-    # a flag sits under its own section: --ngram after "PPO, sampling ..." and before "reward source"
-    assert text.index("PPO, sampling and macro actions:") < text.index("--ngram") < text.index("\nreward source:")
+    sections = ["data:", "optimisation:", "DeepSpeed / precision:", "LoRA:", "sampling:", "models and their engines:",
+                "policy and KL:", "macro actions:", "rewards and advantages:", "PPO update:", "reward source:"]
+    at = [text.index(f"\n{s}\n") for s in sections]  # each section a group heading of its own, in order
+    assert at == sorted(at)
+    # a flag sits under the section that declares it: --ngram under "macro actions", before the next section
+    assert text.index("\nmacro actions:\n") < text.index("--ngram") < text.index("\nrewards and advantages:\n")
     assert text.index("\ndata:\n") < text.index("--data_path") < text.index("\noptimisation:\n")
 
 

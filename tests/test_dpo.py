@@ -111,14 +111,15 @@ def test_sequence_logprobs_match_loop_and_ignore_prompt_and_padding(seed):
 
 
 def test_phase2_pairs_record_where_each_response_starts(embedded, tmp_path):
-    from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.cli._run import data_section
+    from marlhf.data.pipeline import build_phase_data
     from marlhf.embedded import default_model
     from marlhf.models.loading import load_tokenizer_and_format
 
     args, _ = parse_args(DPOArgs, ["--data_path", "synthetic:num_records=60", "--data_output_path", str(tmp_path),
                                    "--max_seq_len", "256", "--output_dir", str(tmp_path / "out")])
     tok, fmt = load_tokenizer_and_format(default_model(""), "", "auto")
-    data = build_phase_data(DataSection.from_args(args, fmt), tok, phase=2)
+    data = build_phase_data(data_section(args, fmt), tok, phase=2)
     for item in data.train[:10]:
         c, r, cs, rs = item["chosen_ids"], item["rejected_ids"], item["chosen_start"], item["rejected_start"]
         assert 0 < cs < len(c) and 0 < rs < len(r)

@@ -26,7 +26,7 @@ def test_the_forwards_each_configuration_needs():
     from marlhf.rlhf.sections import RolloutSection
 
     args, _ = parse_args(RLHFArgs, [])
-    r = RolloutSection.from_args(args, frozenset())
+    r = RolloutSection.build(args, rule_inputs=frozenset())
     assert (r.policy_forward, r.reference_forward) == (True, True)
 
 
@@ -48,7 +48,7 @@ def test_a_step_without_the_skipped_forwards_equals_the_two_pass_step(tmp_path, 
     for two_pass in (False, True):
         t = make_trainer(args)
         if two_pass:
-            t.rollout = dataclasses.replace(t.rollout, policy_forward=True, reference_forward=True)
+            t.rollout = dataclasses.replace(t.rollout, rule_inputs=frozenset({"logprobs", "ref_logprobs"}))  # both read
         else:
             assert (t.rollout.policy_forward, t.rollout.reference_forward) == (False, kl_ctl != 0)
         ids, mask = prompts(args, t.tokenizer, 4)

@@ -136,9 +136,10 @@ def test_stream_seeds_do_not_collide(parts):
 # --------------------------------------------------------------------------------------- plain-text ptx
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
-    from marlhf.data.pipeline import DataSection, SFTCollator
+    from marlhf.data.pipeline import SFTCollator
     from marlhf.models.loading import load_tokenizer
     from marlhf.rlhf.ptx import ptx_items
+    from marlhf.sections import DataSection
 
     docs = ["The cat sat on the mat. " * 6, "A second document, about dogs and parks. " * 5, "Short one."]
     if kind == "txt":
@@ -148,8 +149,9 @@ def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
         path = tmp_path / "corpus.jsonl"
         path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     tok = load_tokenizer(default_model(""))
-    data = DataSection((), "2,4,4", "", 0, 0.0, 0, bad_rows="error", long_prompts="truncate", max_seq_len=0,
-                       max_prompt_seq_len=24, end_of_conversation_token="<|endoftext|>", prompt_format="raw")
+    data = DataSection(data_path=(), data_output_path="", split_seed=0, eval_fraction=0.0, max_eval_samples=0,
+                       max_seq_len=0, max_prompt_seq_len=24, end_of_conversation_token="<|endoftext|>",
+                       prompt_format="raw")
     items = ptx_items(str(path), tok, data, max_answer_seq_len=16)
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     expected = []
@@ -164,11 +166,12 @@ def test_plain_text_ptx_trains_on_every_token(embedded, tmp_path, kind):
 
 
 def test_prompt_chosen_ptx_data_keeps_the_response_loss(embedded):
-    from marlhf.data.pipeline import DataSection
     from marlhf.models.loading import load_tokenizer
     from marlhf.rlhf.ptx import ptx_items
+    from marlhf.sections import DataSection
 
-    data = DataSection((), "2,4,4", "", 0, 0.0, 0, bad_rows="error", long_prompts="truncate", max_seq_len=0,
-                       max_prompt_seq_len=160, end_of_conversation_token="<|endoftext|>", prompt_format="raw")
+    data = DataSection(data_path=(), data_output_path="", split_seed=0, eval_fraction=0.0, max_eval_samples=0,
+                       max_seq_len=0, max_prompt_seq_len=160, end_of_conversation_token="<|endoftext|>",
+                       prompt_format="raw")
     items = ptx_items("synthetic:num_records=50", load_tokenizer(default_model("")), data, max_answer_seq_len=64)
     assert items and all(it["response_start"] > 0 for it in items)

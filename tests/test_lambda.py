@@ -83,7 +83,7 @@ def test_the_flags_reach_the_estimator_and_are_refused_without_a_critic():
     args, _ = parse_args(RLHFArgs, ["--lam_critic", "1.0", "--adaptive_lam_alpha", "0.05"])
     from marlhf.rlhf.sections import RolloutSection
 
-    section = RolloutSection.from_args(args)
+    section = RolloutSection.build(args)
     assert (section.lam_critic, section.adaptive_lam_alpha) == (1.0, 0.05)
     assert rollout_section().lam_critic is None and rollout_section().adaptive_lam_alpha == 0.0  # defaults: off
     for flags, match in ((["--lam_critic", "1.5"], "--lam_critic must be in"),

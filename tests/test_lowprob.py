@@ -70,7 +70,7 @@ def test_the_flags_choose_the_threshold_and_whose_probability(embedded):
     for model, source in (("reference", ref), ("policy", policy)):
         args, _ = parse_args(RLHFArgs, ["--termination_condition", "lowprob", "--lowprob_threshold", "0.3",
                                         "--lowprob_model", model])
-        segmenter = MacroSegmenter(MacroSection.from_args(args, "text"), tok, seed=0)
+        segmenter = MacroSegmenter(MacroSection.build(args, response_kind="text"), tok, seed=0)
         seg, fallbacks = segmenter(torch.zeros_like(mask, dtype=torch.long), mask, ref, step=0, logprobs=policy)
         assert fallbacks == 0
         assert torch.equal(seg, segments_from_starts(loop_starts(mask, source, 0.3), mask))

@@ -133,7 +133,7 @@ def test_mc_macro_flags():
                                     "--policy_ratio", "macro"])
     from marlhf.rlhf.sections import RolloutSection
 
-    assert RolloutSection.from_args(args).mc_rollouts == 3
+    assert RolloutSection.build(args).mc_rollouts == 3
     with pytest.raises(ConfigError, match="--mc_rollouts must be >= 1"):
         parse_args(RLHFArgs, ["--advantage_estimator", "mc_macro", "--mc_rollouts", "0"])
     with pytest.raises(ConfigError, match="no critic and no GAE"):

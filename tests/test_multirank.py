@@ -62,15 +62,16 @@ def final_eval(out: Path) -> dict:
 @functools.cache
 def eval_items(work: Path, args_cls, phase: int) -> list[dict]:
     """The held-out examples the run evaluated on, read through the pipeline (its cache is warm by now)."""
+    from marlhf.cli._run import data_section
     from marlhf.config import parse_args
-    from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.data.pipeline import build_phase_data
     from marlhf.embedded import default_model
     from marlhf.models.loading import load_tokenizer_and_format
 
     args, _ = parse_args(args_cls, run_argv(work, "unused"))
     tok, fmt = load_tokenizer_and_format(default_model(args.model_name_or_path), args.end_of_conversation_token,
                                          args.prompt_format)
-    items = build_phase_data(DataSection.from_args(args, fmt), tok, phase).eval
+    items = build_phase_data(data_section(args, fmt), tok, phase).eval
     assert len(items) == 16
     return items
 

@@ -2,7 +2,6 @@
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ import torch
 from marlhf.config import RewardArgs, RLHFArgs, SFTArgs, parse_args
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import (
-    DataSection,
     PairCollator,
     PromptCollator,
     SFTCollator,
@@ -22,7 +20,7 @@ from marlhf.data.pipeline import (
 )
 from marlhf.data.records import BadRowPolicy, DataError, Record
 from marlhf.errors import ConfigError
-from marlhf.loop import LoopSection
+from marlhf.sections import DataSection, LoopSection
 
 # ---------------------------------------------------------------------------------------------- config
 
@@ -37,7 +35,7 @@ def test_deepspeed_chat_flags_parse_with_their_meaning():
     assert parse_args(RLHFArgs, ["--ngram", "1"])[0].ngram_n == 1
     sft, _ = parse_args(SFTArgs, ["--bf16", "--output_dir", "/tmp/x"])
     assert sft.dtype == "bf16" and sft.tensorboard_path == ""  # the flag as given; the loop's default:
-    assert LoopSection.from_args(sft).tensorboard_path == "/tmp/x/tensorboard"
+    assert LoopSection.build(sft).tensorboard_path == "/tmp/x/tensorboard"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -180,13 +178,12 @@ class CountingTokenizer(CharTokenizer):
         return 256
 
 
-def _args(tmp_path, data_file, **kw):
-    base = dict(data_path=[str(data_file)], data_split="1,1,1", seed=0, eval_fraction=0.2, max_eval_samples=0,
+def _data(tmp_path, data_file, **kw) -> DataSection:
+    base = dict(data_path=(str(data_file),), data_split="1,1,1", split_seed=0, eval_fraction=0.2, max_eval_samples=0,
                 end_of_conversation_token="$", max_seq_len=64, bad_rows="error", data_output_path=str(tmp_path / "c"),
                 prompt_format="raw", long_prompts="truncate")
-    args = SimpleNamespace(**{**base, **kw})
-    args.split_seed = args.seed  # BaseArgs.split_seed with no --data_seed
-    return args
+    section = {**base, **kw}
+    return DataSection(max_prompt_seq_len=section["max_seq_len"], **section)  # steps 1-2: the prompt's limit too
 
 
 def test_cache_is_reused_and_keyed_by_inputs(tmp_path):
@@ -194,11 +191,11 @@ def test_cache_is_reused_and_keyed_by_inputs(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "chosen": " c", "rejected": " r"}) + "\n"
                             for i in range(30)))
     tok = CountingTokenizer()
-    first = build_phase_data(DataSection.from_args(_args(tmp_path, data)), tok, phase=1)
+    first = build_phase_data(_data(tmp_path, data), tok, phase=1)
     calls = tok.calls
-    again = build_phase_data(DataSection.from_args(_args(tmp_path, data)), tok, phase=1)
+    again = build_phase_data(_data(tmp_path, data), tok, phase=1)
     assert tok.calls == calls and again.train == first.train  # served from the cache
-    other = build_phase_data(DataSection.from_args(_args(tmp_path, data, max_seq_len=5)), tok, phase=1)
+    other = build_phase_data(_data(tmp_path, data, max_seq_len=5), tok, phase=1)
     assert tok.calls > calls and other.train != first.train  # a changed input rebuilds
     assert len(first.eval) == 6 and len(first.train) == 8  # 20% held out, a third of the rest
     prompt = lambda x: tuple(x["input_ids"][:x["response_start"]])
@@ -232,8 +229,7 @@ def test_max_eval_samples_counts_kept_examples(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"prompt": ("x" * 80 if i % 2 else "p") + f"{i}", "chosen": " c",
                                         "rejected": " r"}) + "\n" for i in range(60)))
-    args = _args(tmp_path, data, max_eval_samples=4, long_prompts="skip")
-    out = build_phase_data(DataSection.from_args(args), CountingTokenizer(), phase=1)
+    out = build_phase_data(_data(tmp_path, data, max_eval_samples=4, long_prompts="skip"), CountingTokenizer(), phase=1)
     assert len(out.eval) == 4 and len(out.eval_records) == 4
     assert all(len(r.prompt) < 10 for r in out.eval_records)
     assert [list(x["input_ids"][1:x["response_start"]]) for x in out.eval] == \

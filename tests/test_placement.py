@@ -9,6 +9,7 @@ from conftest import save_seeded_reward_model
 
 from marlhf.errors import ConfigError
 from marlhf.models.placement import Placement, resolve_placement
+from marlhf.sections import SamplingSection
 
 
 def test_auto_on_this_cpu_machine_is_cpu_fp32():
@@ -67,6 +68,6 @@ def test_bf16_on_the_cpu_scores_and_samples_close_to_fp32(embedded, tmp_path):
         l32 = torch.log_softmax(p32.model(input_ids=ids, attention_mask=mask).logits[:, -1].float(), -1)
         l16 = torch.log_softmax(p16.model(input_ids=ids, attention_mask=mask).logits[:, -1].float(), -1)
     assert (l32.exp() - l16.exp()).abs().sum(-1).max() < 0.05  # next-token distributions: total variation
-    cfg = p16.config(8, do_sample=True, seed=3)
+    cfg = p16.config(SamplingSection(max_new_tokens=8), do_sample=True, seed=3)
     responses, ended, lengths = p16.sample(prompts, cfg, 2, 64)
     assert len(responses) == 4 and all(0 < n <= 8 for n in lengths)

@@ -77,8 +77,9 @@ def test_jsonl_keeps_meta(records, tmp_path):
 # ------------------------------------------------------------------------------------------ data flow
 def test_meta_goes_through_the_tokenized_cache_and_the_collator(tmp_path, records):
     from marlhf import embedded
+    from marlhf.cli._run import data_section
     from marlhf.config import RLHFArgs, parse_args
-    from marlhf.data.pipeline import DataSection, build_phase_data, phase_records
+    from marlhf.data.pipeline import build_phase_data, phase_records
     from marlhf.data.records import BadRowPolicy
     from marlhf.models.loading import load_tokenizer_and_format
 
@@ -86,8 +87,8 @@ def test_meta_goes_through_the_tokenized_cache_and_the_collator(tmp_path, record
     args, _ = parse_args(RLHFArgs, ["--actor_model_name_or_path", nano, "--data_path", "synthetic:num_records=60",
                                     "--data_output_path", str(tmp_path), "--max_prompt_seq_len", "160"])
     tok, fmt = load_tokenizer_and_format(nano, "", "auto", padding_side="left")
-    built = build_phase_data(DataSection.from_args(args, fmt), tok, phase=3)
-    cached = build_phase_data(DataSection.from_args(args, fmt), tok, phase=3)  # read back from the cache file
+    built = build_phase_data(data_section(args, fmt), tok, phase=3)
+    cached = build_phase_data(data_section(args, fmt), tok, phase=3)  # read back from the cache file
     assert len(list(tmp_path.glob("rlhf_*.pt"))) == 1
     train_recs, _ = phase_records(args.data_path, args.data_split, 3, args.seed, args.eval_fraction, BadRowPolicy())
     assert [x["meta"] for x in cached.train] == [r.meta for r in train_recs] == [x["meta"] for x in built.train]

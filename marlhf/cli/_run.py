@@ -71,6 +71,15 @@ def start(args, model_flag: str, padding_side: str = "right", model: str | None 
     return Started(model, tokenizer, fmt, task)
 
 
+def data_section(args, fmt: ConversationFormat):
+    """The step's :class:`~marlhf.sections.DataSection` in the conversation format the run resolved (its end
+    token and prompt format, not the flags' 'auto' / empty values)."""
+    from marlhf.sections import DataSection
+
+    return DataSection.build(args, end_of_conversation_token=fmt.end_of_conversation_token,
+                             prompt_format=fmt.prompt_format)
+
+
 def reward_source(args, task: Task | None, reward_model=None, ensemble=()):
     """Step 3's ``--reward_source`` (and its flags) built (:func:`marlhf.rewards.build_reward_source`);
     ``ensemble``: --reward_ensemble's other reward models, loaded."""
@@ -95,21 +104,49 @@ def step3_context(args, started_actor: str, task: Task | None) -> dict:
     return {**paths, "response_kind": response_kind(args.response_kind, task, args.reward_source)}
 
 
+def mappo_sections(args, *, response_kind: str, stop_ids, pad_id: int):
+    """Step 3's sections from its flags, with the run's resolved response kind and the tokenizer's stop and pad ids:
+    one policy section and one batch section, shared by the rollout and the update; the rollout told what the
+    termination rule reads (so it runs only the forwards something reads)."""
+    from marlhf.rlhf.sections import (
+        BatchSection,
+        MacroSection,
+        PolicySection,
+        ReportSection,
+        RolloutSection,
+        UpdateSection,
+    )
+    from marlhf.rlhf.termination import rule_inputs
+    from marlhf.rlhf.trainer import MAPPOSections
+    from marlhf.sections import LoopSection, RobustnessSection, SamplingSection
+
+    macro, policy, batches = (MacroSection.build(args, response_kind=response_kind), PolicySection.build(args),
+                              BatchSection.build(args))
+    return MAPPOSections(
+        macro=macro, rollout=RolloutSection.build(args, policy=policy, batches=batches, rule_inputs=rule_inputs(macro)),
+        update=UpdateSection.build(args, policy=policy, batches=batches), batches=batches, loop=LoopSection.build(args),
+        generation=SamplingSection.build(args).generation(stop_ids, pad_id), robustness=RobustnessSection.build(args),
+        ema_decay=args.ema_decay, report=ReportSection.build(args))
+
+
 def step3_trainer(args, actor: str, tokenizer, fmt: ConversationFormat, context: dict, task: Task | None,
                   total_steps: int, reward=None):
     """Step 3 from its flags and its run context (:func:`step3_context`): the four models' engines
     (:func:`marlhf.rlhf.rlhf_engine.build_rlhf_engine`) and the MA-PPO recipe with its reward source (``reward``:
     one built already, else ``--reward_source``'s).  Returns ``(trainer, learning rates in force)``."""
     from marlhf.models.loading import stop_token_ids
-    from marlhf.rlhf.rlhf_engine import ModelsSection, build_rlhf_engine
-    from marlhf.rlhf.trainer import MAPPOSections, MAPPOTrainer
+    from marlhf.rlhf.advantages import estimator_class
+    from marlhf.rlhf.rlhf_engine import build_rlhf_engine
+    from marlhf.rlhf.sections import ModelsSection
+    from marlhf.rlhf.trainer import MAPPOTrainer
 
-    sections = MAPPOSections.from_args(args, response_kind=context["response_kind"],
-                                       stop_ids=stop_token_ids(tokenizer, fmt.end_of_conversation_token),
-                                       pad_id=tokenizer.pad_token_id)
-    models = ModelsSection.from_args(args, actor_path=actor, critic_path=context["critic_model_name_or_path"],
-                                     reward_path=context["reward_model_name_or_path"],
-                                     end_of_conversation_token=fmt.end_of_conversation_token)
+    sections = mappo_sections(args, response_kind=context["response_kind"],
+                              stop_ids=stop_token_ids(tokenizer, fmt.end_of_conversation_token),
+                              pad_id=tokenizer.pad_token_id)
+    models = ModelsSection.build(args, actor_path=actor, critic_path=context["critic_model_name_or_path"],
+                                 reward_path=context["reward_model_name_or_path"],
+                                 needs_critic=estimator_class(args.advantage_estimator).needs_critic,
+                                 end_of_conversation_token=fmt.end_of_conversation_token)
     rlhf = build_rlhf_engine(models, args.engine("actor"), args.engine("critic"), sections.batches, tokenizer,
                              total_steps)
     reward = reward if reward is not None else reward_source(args, task, rlhf.reward, rlhf.reward_ensemble)

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from marlhf.config import BaseArgs, RewardArgs
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.best_of_n import best_of_n, plot, table_rows, to_csv, to_markdown
 from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, batch_seed
 from marlhf.rewards.gold import gold_scorer
 from marlhf.rewards.reward_model import Scorer
+from marlhf.sections import SamplingSection, ScheduleSection, SupervisedSection
+from marlhf.utils.flags import add_flags
 
 log = logging.getLogger("marlhf")
 
@@ -40,10 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8, 1.0, 1.2])
     p.add_argument("--gold", default="auto", choices=("auto", "on", "off"),
                    help="The embedded task's gold score of the pick: auto = when the data is synthetic")
-    p.add_argument("--seed", type=int, default=BaseArgs.seed)
+    add_flags(p, ScheduleSection, only=("seed",), help={"seed": "Sampling seed (each temperature and batch its own)"})
     p.add_argument("--batch_size", type=int, default=4, help="Prompts per generate call (x max N answers)")
     p.add_argument("--rm_batch_size", type=int, default=64)
-    p.add_argument("--max_seq_len", type=int, default=RewardArgs.max_seq_len, help="Reward model's input limit")
+    add_flags(p, SupervisedSection, only=("max_seq_len",),
+              help={"max_seq_len": "The reward model's input limit (prompt + answer tokens)."})
     p.add_argument("--output_csv", default=None)
     p.add_argument("--output_json", default=None)
     p.add_argument("--output_png", default=None)
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     if min(args.n) < 1 or min(args.temperatures) <= 0:
         raise ConfigError(f"--n must be >= 1 and --temperatures > 0, got {args.n} and {args.temperatures}")
     ns, n_max = sorted(set(args.n)), max(args.n)
-    prompts = PromptSource.from_args(args).load()
+    prompts = PromptSource.build(args).load()
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
                           device=args.device, dtype=args.dtype)
     rm = Scorer(args.reward_model, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
@@ -70,8 +72,9 @@ def main(argv=None) -> int:
             chunk = prompts[b:b + args.batch_size]
             # each (temperature, batch) has its own seed: the samples do not depend on what ran before
             seed = batch_seed(args.seed, t_index * 1_000 + b // args.batch_size)
-            cfg = policy.config(args.max_new_tokens, temperature, args.top_k, args.top_p, seed=seed)
-            responses, ended, lengths = policy.sample([p.text for p in chunk], cfg, n_max, args.max_prompt_len)
+            sampling = SamplingSection.build(args, temperature=temperature)
+            cfg = policy.config(sampling, seed=seed)
+            responses, ended, lengths = policy.sample([p.text for p in chunk], cfg, n_max, sampling.max_prompt_len)
             texts = [p.text for p in chunk for _ in range(n_max)]
             r = rm(texts, responses, args.rm_batch_size)
             g = gold(texts, responses, ended) if gold is not None else None

@@ -15,11 +15,12 @@ import argparse
 import logging
 import sys
 
-from marlhf.config import BaseArgs
 from marlhf.errors import run_cli
 from marlhf.eval.chat import ChatSession
 from marlhf.eval.generate_tool import LoadedPolicy, add_sampling_args
+from marlhf.sections import SamplingSection, ScheduleSection
 from marlhf.tasks import load_task
+from marlhf.utils.flags import add_flags
 
 USER_PROMPT = "You> "
 
@@ -31,8 +32,8 @@ def parse_args(argv=None):
                    help="The task (marlhf/tasks.py: a name, alias or folder): the turn format and "
                    "post-processing")
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--seed", type=int, default=BaseArgs.seed,
-                   help="Answer k samples under a seed derived from this and k")
+    add_flags(p, ScheduleSection, only=("seed",),
+              help={"seed": "Answer k samples under a seed derived from this and k"})
     p.add_argument("--show_prompt", action="store_true", help="Print the model's input before each answer")
     return p.parse_args(argv)
 
@@ -43,9 +44,7 @@ def main(argv=None) -> int:
     app = load_task(args.task)
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
                           device=args.device, dtype=args.dtype)
-    chat = ChatSession(policy, app, max_new_tokens=args.max_new_tokens, max_prompt_len=args.max_prompt_len,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-                       seed=args.seed)
+    chat = ChatSession(policy, app, SamplingSection.build(args), greedy=args.greedy, seed=args.seed)
     print(f"chatting with {policy.path} (task {app.name}); /reset forgets the history, /quit leaves", flush=True)
     while True:
         try:

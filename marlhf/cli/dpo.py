@@ -8,7 +8,7 @@ start from the SFT model. The result is a plain Hugging Face causal LM, evaluate
 
 import sys
 
-from marlhf.cli._run import entry_point, start
+from marlhf.cli._run import data_section, entry_point, start
 from marlhf.config import DPOArgs, parse_args
 from marlhf.errors import run_cli
 
@@ -18,14 +18,14 @@ def main(argv=None):
     args, _ = parse_args(DPOArgs, argv)
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
     from marlhf.cli._memory import check_memory, plan_only
-    from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.data.pipeline import build_phase_data
     from marlhf.dpo import dpo_objective
     from marlhf.embedded import default_model
-    from marlhf.loop import LoopSection
     from marlhf.models.export import export_hf
     from marlhf.models.loading import load_causal_lm, load_options
     from marlhf.models.lora import apply_lora
-    from marlhf.supervised import SupervisedSection, train
+    from marlhf.sections import LoopSection, SupervisedSection
+    from marlhf.supervised import train
     from marlhf.utils.ds_engine import frozen_engine, with_learning_rate
     from marlhf.utils.run import record_run_context
 
@@ -35,7 +35,7 @@ def main(argv=None):
     run = start(args, "model_name_or_path")
     tokenizer, fmt = run.tokenizer, run.fmt
     check_memory("dpo", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
-    data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=2)
+    data = build_phase_data(data_section(args, fmt), tokenizer, phase=2)
     # 2. the policy (optionally with LoRA) and the frozen reference, both the SFT model by default
     load = load_options(args.dtype, args.zero_stage, args.offload, args.attn_implementation)
     policy = load_causal_lm(run.model, tokenizer, args.dropout, end_of_conversation_token=fmt.end_of_conversation_token,
@@ -50,7 +50,7 @@ def main(argv=None):
                        ref_model_name_or_path=args.ref_model_name_or_path or run.model)
     model = train(policy, data.train, data.eval, dpo_objective(tokenizer.pad_token_id, reference, args.beta,
                                                                args.dpo_loss),
-                  SupervisedSection.from_args(args), engine, LoopSection.from_args(args))
+                  SupervisedSection.build(args), engine, LoopSection.build(args))
     # 4. export a plain Hugging Face model (ZeRO-3 weights gathered, LoRA merged)
     export_hf(model, tokenizer, args.output_dir, conversation=fmt)
 

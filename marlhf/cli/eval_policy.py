@@ -16,17 +16,17 @@ import sys
 from pathlib import Path
 
 from marlhf.cli._memory import check_memory, plan_only
-from marlhf.cli._run import entry_point, reward_source, start
+from marlhf.cli._run import data_section, entry_point, reward_source, start
 from marlhf.config import PolicyEvalArgs, parse_args
 from marlhf.data.formatting import check_same_format
-from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part
+from marlhf.data.pipeline import build_phase_data, held_out_part
 from marlhf.errors import run_cli
 from marlhf.eval.generate_tool import policy_folder
 from marlhf.eval.policy import evaluate_policy
 from marlhf.models.loading import load_causal_lm, load_options, load_reward_model, resolve_model_path, stop_token_ids
 from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
 from marlhf.rlhf.sections import EvalSection
-from marlhf.sampler import GenerationConfig
+from marlhf.sections import SamplingSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
 
@@ -45,7 +45,7 @@ def main(argv=None):
     check_memory("eval", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
     rm_path = args.reward_model_name_or_path or args.critic_model_name_or_path
     check_same_format(fmt, rm_path, args.ref_model_name_or_path, *args.reward_ensemble)
-    data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=3)
+    data = build_phase_data(data_section(args, fmt), tokenizer, phase=3)
 
     # 2. the policy, the reference (for the KL) and the reward model, all frozen, loaded as step 3 loads them: in
     #    the run's --dtype, built partitioned under ZeRO-3, with --attn_implementation; the engines put them on
@@ -66,10 +66,10 @@ def main(argv=None):
     reward = reward_source(args, run.task, reward_model, ensemble) \
         if args.reward_source in OWN_EVALUATION_NAMES or ensemble else None  # rm and gold: whenever available
     sources = evaluation_sources(args.reward_source, reward, reward_model, run.task)
-    generation = GenerationConfig.from_args(args, stop_token_ids(tokenizer, fmt.end_of_conversation_token),
-                                            tokenizer.pad_token_id)
+    generation = SamplingSection.build(args).generation(stop_token_ids(tokenizer, fmt.end_of_conversation_token),
+                                                        tokenizer.pad_token_id)
     held_out = held_out_part(data.eval, args.eval_prompts)
-    result = evaluate_policy(actor, tokenizer, held_out, EvalSection.from_args(args), generation, sources, ref=ref)
+    result = evaluate_policy(actor, tokenizer, held_out, EvalSection.build(args), generation, sources, ref=ref)
     result["policy"] = run.model
     if dist.is_main():
         (Path(args.output_dir) / "eval.json").write_text(json.dumps(result, indent=1))

@@ -24,9 +24,10 @@ import logging
 import sys
 from pathlib import Path
 
-from marlhf.config import BaseArgs
 from marlhf.errors import run_cli
 from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, generate_file
+from marlhf.sections import SamplingSection, ScheduleSection
+from marlhf.utils.flags import add_flags
 
 
 def parse_args(argv=None):
@@ -36,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--output", required=True, help="JSON lines (resumed when it exists)")
     p.add_argument("--num_samples", type=int, default=1, help="Answers per prompt")
     p.add_argument("--greedy", action="store_true", help="Greedy decoding instead of sampling")
-    p.add_argument("--seed", type=int, default=BaseArgs.seed, help="Sampling seed (each batch samples under its own)")
+    add_flags(p, ScheduleSection, only=("seed",), help={"seed": "Sampling seed (each batch samples under its own)"})
     p.add_argument("--batch_size", type=int, default=8, help="Prompts per generate call")
     p.add_argument("--policy_name", default="", help="The rows' 'policy' field (default: the model folder's name)")
     p.add_argument("--overwrite", action="store_true", help="Start over instead of resuming")
@@ -47,16 +48,17 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    prompts = PromptSource.from_args(args).load()
+    prompts = PromptSource.build(args).load()
+    sampling = SamplingSection.build(args)
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
                           device=args.device, dtype=args.dtype)
     name = args.policy_name or (Path(args.model).name if args.model else "embedded")
-    cfg = policy.config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, do_sample=not args.greedy)
+    cfg = policy.config(sampling, do_sample=not args.greedy)
     source = {"prompts": args.prompts} if args.prompts else {
         "data_path": args.data_path, "split": args.split, "phase": args.phase, "data_split": args.data_split,
         "data_seed": args.data_seed, "eval_fraction": args.eval_fraction}
     generate_file(policy, prompts, args.output, cfg=cfg, num_samples=args.num_samples, batch_size=args.batch_size,
-                  max_prompt_len=args.max_prompt_len, seed=args.seed, policy_name=name, overwrite=args.overwrite,
+                  max_prompt_len=sampling.max_prompt_len, seed=args.seed, policy_name=name, overwrite=args.overwrite,
                   progress=not args.no_progress, settings={"source": source})
     print(args.output)
     return 0

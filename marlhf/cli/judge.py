@@ -25,13 +25,14 @@ import os
 import sys
 from pathlib import Path
 
-from marlhf.config import BaseArgs
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.records import DataError, require_text
 from marlhf.embedded.task import gold_scores
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.judge import ChatCompletionsJudge, ScorerJudge, compare_policies, summarize
+from marlhf.sections import ScheduleSection
 from marlhf.tasks import load_task
+from marlhf.utils.flags import add_flags
 
 
 def read_responses(path: str) -> list[tuple[str, int, str, str]]:
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=os.environ.get("MARLHF_JUDGE_MODEL"), help="(env MARLHF_JUDGE_MODEL)")
     parser.add_argument("--api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
     parser.add_argument("--api_key_file", default=None, help="file holding the key (instead of the environment)")
-    parser.add_argument("--seed", type=int, default=BaseArgs.seed, help="fixes the order each pair is shown in")
+    add_flags(parser, ScheduleSection, only=("seed",), help={"seed": "fixes the order each pair is shown in"})
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     parser.add_argument("--max_retries", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")

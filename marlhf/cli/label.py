@@ -26,9 +26,10 @@ import logging
 import sys
 from pathlib import Path
 
-from marlhf.config import BaseArgs
 from marlhf.data.onpolicy import label_pairs, pool_generations, read_generations, split_by_prompt, write_pairs
 from marlhf.errors import ConfigError, run_cli
+from marlhf.sections import ScheduleSection
+from marlhf.utils.flags import add_flags
 
 log = logging.getLogger("marlhf")
 
@@ -47,8 +48,8 @@ def parse_args(argv=None):
                    help="Pairs of a prompt's K answers: disjoint (0-1, 2-3, ...) or all K(K-1)/2")
     p.add_argument("--ties", default="keep", choices=("keep", "drop"),
                    help="Pairs the annotator scores equal: keep (labelled by a coin) or drop")
-    p.add_argument("--seed", type=int, default=BaseArgs.seed,
-                   help="Seed of the labels' draws and of the held-out prompts")
+    add_flags(p, ScheduleSection, only=("seed",),
+              help={"seed": "Seed of the labels' draws and of the held-out prompts"})
     p.add_argument("--eval_fraction", type=float, default=0.1, help="Share of prompts held out in test.jsonl")
     p.add_argument("--output", required=True, help="Folder for train.jsonl, test.jsonl and label.json")
     p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from marlhf.cli._run import entry_point, start, step3_context, step3_trainer
+from marlhf.cli._run import data_section, entry_point, start, step3_context, step3_trainer
 from marlhf.config import RLHFArgs, parse_args
 from marlhf.errors import run_cli
 
@@ -27,7 +27,7 @@ def main(argv=None):
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
     from marlhf.cli._memory import check_memory, plan_only
     from marlhf.data.formatting import check_same_format
-    from marlhf.data.pipeline import DataSection, build_phase_data, held_out_part, plan_steps
+    from marlhf.data.pipeline import build_phase_data, held_out_part, plan_steps
     from marlhf.embedded import default_model
     from marlhf.eval.policy import evaluate_policy
     from marlhf.models.export import export_hf
@@ -52,8 +52,8 @@ def main(argv=None):
     check_memory("ppo", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
     check_same_format(fmt, context["critic_model_name_or_path"], context["reward_model_name_or_path"],
                       *args.reward_ensemble)
-    data_section = DataSection.from_args(args, fmt)
-    data = build_phase_data(data_section, tokenizer, phase=3)
+    data_flags = data_section(args, fmt)
+    data = build_phase_data(data_flags, tokenizer, phase=3)
     if args.reward_source == "program_tests":  # each prompt's unit tests must have come through the cache
         require_meta(data.train + data.eval, "input_output", "--reward_source program_tests")
     _, total_steps = plan_steps(len(data.train), args.per_device_generation_batch_size, args.generation_batches,
@@ -68,7 +68,7 @@ def main(argv=None):
     sources = evaluation_sources(args.reward_source, trainer.reward, rlhf.reward, task)
     # 4. the initial (SFT) policy on held-out prompts, then MA-PPO (evaluated every --eval_interval steps, with
     #    the KL to the reference), then the final policy
-    eval_section = EvalSection.from_args(args)
+    eval_section = EvalSection.build(args)
     held_out = held_out_part(data.eval, args.eval_prompts)
 
     def evaluate():
@@ -81,7 +81,7 @@ def main(argv=None):
         before = evaluate()
         if dist.is_main():
             initial.write_text(json.dumps(before))
-    ptx = ptx_items(args.unsupervised_dataset_name, tokenizer, data_section, args.max_answer_seq_len) \
+    ptx = ptx_items(args.unsupervised_dataset_name, tokenizer, data_flags, args.max_answer_seq_len) \
         if args.unsup_coef != 0 else None
     steps = trainer.train(data.train, ptx, evaluate=evaluate)
     after = evaluate()

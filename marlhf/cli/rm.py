@@ -10,7 +10,7 @@ plain transformers then loads the score head only, load_reward_model both.
 
 import sys
 
-from marlhf.cli._run import entry_point, start
+from marlhf.cli._run import data_section, entry_point, start
 from marlhf.config import RewardArgs, parse_args
 from marlhf.errors import run_cli
 
@@ -20,13 +20,13 @@ def main(argv=None):
     args, _ = parse_args(RewardArgs, argv)
     # the library (torch, DeepSpeed) after the flags: --help and a bad flag answer at once
     from marlhf.cli._memory import check_memory, plan_only
-    from marlhf.data.pipeline import DataSection, build_phase_data
+    from marlhf.data.pipeline import build_phase_data
     from marlhf.embedded import default_model
-    from marlhf.loop import LoopSection
     from marlhf.models.export import export_hf
     from marlhf.models.loading import load_options, load_reward_model
     from marlhf.models.lora import apply_lora
-    from marlhf.supervised import SupervisedSection, reward_objective, train
+    from marlhf.sections import LoopSection, SupervisedSection
+    from marlhf.supervised import reward_objective, train
     from marlhf.utils.ds_engine import with_learning_rate
     from marlhf.utils.run import record_run_context
 
@@ -36,7 +36,7 @@ def main(argv=None):
     run = start(args, "model_name_or_path")
     tokenizer, fmt = run.tokenizer, run.fmt
     check_memory("rm", args, run.model)  # before any weight loads: refuses a plan the GPU cannot hold
-    data = build_phase_data(DataSection.from_args(args, fmt), tokenizer, phase=2)
+    data = build_phase_data(data_section(args, fmt), tokenizer, phase=2)
     # 2. base model + fresh scalar head (or a step-2 model to continue), + the likelihood term if asked
     model = load_reward_model(run.model, tokenizer, args.dropout, likelihood_term=args.likelihood_term,
                               likelihood_norm=args.likelihood_norm, likelihood_scale=args.likelihood_scale,
@@ -47,8 +47,8 @@ def main(argv=None):
     objective = reward_objective(tokenizer.pad_token_id, args.label_smoothing, args.reward_loss)
     engine = with_learning_rate(args.engine(), model)
     record_run_context(args.output_dir, learning_rate=engine.learning_rate)
-    model = train(model, data.train, data.eval, objective, SupervisedSection.from_args(args), engine,
-                  LoopSection.from_args(args))
+    model = train(model, data.train, data.eval, objective, SupervisedSection.build(args), engine,
+                  LoopSection.build(args))
     # 4. export as a Hugging Face sequence-classification model
     export_hf(model, tokenizer, args.output_dir, conversation=fmt)
 

@@ -20,13 +20,14 @@ import json
 import sys
 from pathlib import Path
 
-from marlhf.config import BaseArgs, RewardArgs
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.pipeline import phase_records
 from marlhf.data.records import BadRowPolicy, DataError, require_text
 from marlhf.errors import run_cli
 from marlhf.models.placement import add_placement_args
 from marlhf.rewards.reward_model import Scorer
+from marlhf.sections import DataSection, RobustnessSection, ScheduleSection, SupervisedSection
+from marlhf.utils.flags import add_flags
 
 
 def parse_args(argv=None):
@@ -37,19 +38,17 @@ def parse_args(argv=None):
     p.add_argument("--input", default=None, help="JSON lines with prompt + response, or prompt + chosen + rejected")
     p.add_argument("--data_path", nargs="+", default=None,
                    help="Dataset specs as in training; their evaluation pairs are scored")
-    p.add_argument("--data_split", default=BaseArgs.data_split)
-    p.add_argument("--seed", type=int, default=BaseArgs.seed)
-    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
-    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
+    add_flags(p, DataSection, only=("data_split", "eval_fraction", "bad_rows"))
+    add_flags(p, ScheduleSection, only=("seed",), help={"seed": "The training run's split seed (its --data_seed, "
+                                                                "else its --seed)."})
     p.add_argument("--max_eval_samples", type=int, default=0, help="Score at most this many pairs (0 = all)")
     p.add_argument("--output", default=None, help="Write one JSON line of scores per input row here")
-    p.add_argument("--end_of_conversation_token", default="",
-                   help="Default: the one recorded with the model (else the tokenizer's own)")
-    p.add_argument("--prompt_format", default=BaseArgs.prompt_format, choices=("auto", "raw", "chat_template"),
-                   help="Default: the one recorded with the model")
-    p.add_argument("--max_seq_len", type=int, default=RewardArgs.max_seq_len)
+    add_flags(p, DataSection, only=("end_of_conversation_token", "prompt_format"),
+              help={"end_of_conversation_token": "Default: the one recorded with the model (else the tokenizer's own).",
+                    "prompt_format": "Default (auto): the one recorded with the model."})
+    add_flags(p, SupervisedSection, only=("max_seq_len",))
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors (bad file, missing model)")
+    add_flags(p, RobustnessSection, only=("debug",))
     add_placement_args(p)
     return p.parse_args(argv)
 

@@ -16,7 +16,6 @@ import argparse
 import logging
 import sys
 
-from marlhf.config import BaseArgs, RewardArgs
 from marlhf.errors import ConfigError, run_cli
 from marlhf.eval.score_report import (
     build_report,
@@ -29,6 +28,8 @@ from marlhf.eval.score_report import (
 from marlhf.models.placement import add_placement_args
 from marlhf.rewards.gold import gold_scorer
 from marlhf.rewards.reward_model import Scorer
+from marlhf.sections import DataSection, RobustnessSection, SupervisedSection
+from marlhf.utils.flags import add_flags
 
 log = logging.getLogger("marlhf")
 
@@ -45,11 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--output_json", default=None)
     p.add_argument("--output_png", default=None)
     p.add_argument("--bins", type=int, default=30)
-    p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
-    p.add_argument("--prompt_format", default=BaseArgs.prompt_format, choices=("auto", "raw", "chat_template"))
-    p.add_argument("--max_seq_len", type=int, default=RewardArgs.max_seq_len)
+    add_flags(p, DataSection, only=("end_of_conversation_token", "prompt_format"),
+              help={"end_of_conversation_token": "Default: the one recorded with the model."})
+    add_flags(p, SupervisedSection, only=("max_seq_len",))
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
+    add_flags(p, RobustnessSection, only=("debug",))
     add_placement_args(p)
     return p.parse_args(argv)
 

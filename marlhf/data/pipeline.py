@@ -17,6 +17,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -26,6 +27,9 @@ from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
 from marlhf.data.records import BadRowPolicy, DataError, Record
 from marlhf.errors import ConfigError
 from marlhf.utils import dist
+
+if TYPE_CHECKING:
+    from marlhf.sections import DataSection  # the step's data flags (built by the entry point)
 
 log = logging.getLogger("marlhf")
 
@@ -192,38 +196,6 @@ class PhaseData:
     eval: list[dict]
     eval_prompts: list[str]
     eval_records: list[Record]
-
-
-@dataclass(frozen=True)
-class DataSection:
-    """What a step's data is (:func:`build_phase_data`): the datasets and their split, the held-out slice, the
-    length rules, and the conversation format in force (the run's resolved end token and prompt format)."""
-
-    data_path: tuple[str, ...]
-    data_split: str
-    data_output_path: str
-    split_seed: int  # --data_seed, else --seed
-    eval_fraction: float
-    max_eval_samples: int
-    bad_rows: str
-    long_prompts: str
-    max_seq_len: int  # prompt + response (steps 1-2; 0 in step 3)
-    max_prompt_seq_len: int  # the prompt's limit (step 3's flag; steps 1-2: --max_seq_len)
-    end_of_conversation_token: str
-    prompt_format: str
-
-    @classmethod
-    def from_args(cls, args, fmt=None) -> DataSection:
-        """A step's data flags, with ``fmt`` (the :class:`~marlhf.data.formatting.ConversationFormat` the run
-        resolved) for the end token and prompt format (the flags' values without one)."""
-        max_seq_len = getattr(args, "max_seq_len", 0)
-        return cls(data_path=tuple(args.data_path), data_split=args.data_split,
-                   data_output_path=args.data_output_path, split_seed=args.split_seed,
-                   eval_fraction=args.eval_fraction, max_eval_samples=args.max_eval_samples, bad_rows=args.bad_rows,
-                   long_prompts=args.long_prompts, max_seq_len=max_seq_len,
-                   max_prompt_seq_len=getattr(args, "max_prompt_seq_len", max_seq_len),
-                   end_of_conversation_token=fmt.end_of_conversation_token if fmt else args.end_of_conversation_token,
-                   prompt_format=fmt.prompt_format if fmt else args.prompt_format)
 
 
 def build_phase_data(data: DataSection, tokenizer, phase: int) -> PhaseData:

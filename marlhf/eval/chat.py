@@ -9,18 +9,18 @@ messages).  Answers are sampled through the generation seam and post-processed b
 
 from __future__ import annotations
 
-from marlhf.config import BaseArgs, RLHFArgs
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.eval.generate_tool import LoadedPolicy, batch_seed
+from marlhf.sections import SamplingSection, ScheduleSection
 
 
 class ChatSession:
-    def __init__(self, policy: LoadedPolicy, application, *, max_new_tokens: int = 128, max_prompt_len: int = 512,
-                 temperature: float = RLHFArgs.temperature, top_k: int = RLHFArgs.top_k, top_p: float = RLHFArgs.top_p,
-                 greedy: bool = False, seed: int = BaseArgs.seed):
+    def __init__(self, policy: LoadedPolicy, application, sampling: SamplingSection | None = None, *,
+                 greedy: bool = False, seed: int = ScheduleSection.seed):
+        """``sampling``: the tool's sampling flags (None: their defaults, step 3's)."""
         self.policy, self.app = policy, application
-        self.max_new_tokens, self.max_prompt_len = max_new_tokens, max_prompt_len
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=not greedy)
+        self.sampling, self.greedy = sampling or SamplingSection(), greedy
+        self.max_prompt_len = self.sampling.max_prompt_len
         self.seed = seed
         self.history: list[tuple[str, str]] = []  # (user turn, the policy's answer)
         self.turns = 0  # answers given in this process: each samples under its own seed
@@ -38,7 +38,7 @@ class ChatSession:
         return text + (f"\n(its first {drop} tokens are cut: over --max_prompt_len)" if drop else "")
 
     def reply(self, user: str) -> str:
-        cfg = self.policy.config(self.max_new_tokens, seed=batch_seed(self.seed, self.turns), **self.sampling)
+        cfg = self.policy.config(self.sampling, do_sample=not self.greedy, seed=batch_seed(self.seed, self.turns))
         responses, _, _ = self.policy.sample([self.raw_prompt(user)], cfg, 1, self.max_prompt_len)
         answer = self.app.postprocess(responses[0])
         self.history.append((user, answer))

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from marlhf.config import BaseArgs, RLHFArgs
 from marlhf.data.adapters.files import iter_file_rows
 from marlhf.data.formatting import LongPromptPolicy, PromptFormatter
 from marlhf.data.pipeline import _pad, phase_records
@@ -36,7 +35,9 @@ from marlhf.models.card import STEP3_MODELS, locate
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, resolve_model_path, stop_token_ids
 from marlhf.models.placement import add_placement_args, resolve_placement
 from marlhf.sampler import GenerationConfig, decode_samples, sample
+from marlhf.sections import DataSection, RobustnessSection, SamplingSection, ScheduleSection
 from marlhf.utils import events
+from marlhf.utils.flags import Section, add_flags, derived, flag
 
 log = logging.getLogger("marlhf")
 
@@ -109,7 +110,7 @@ def policy_folder(path: str, model: str = "actor") -> str:
 class LoadedPolicy:
     """A causal LM with its tokenizer (left padding), conversation format and stop ids, in eval mode."""
 
-    def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = BaseArgs.prompt_format,
+    def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = DataSection.prompt_format,
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
         """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`)."""
 
@@ -124,11 +125,12 @@ class LoadedPolicy:
         log.info("policy %s (prompt format %s, end token %r) on %s in %s", self.path, self.format.prompt_format,
                  self.eot, self.placement.device, self.placement.dtype)
 
-    def config(self, max_new_tokens: int, temperature: float = RLHFArgs.temperature, top_k: int = RLHFArgs.top_k,
-               top_p: float = RLHFArgs.top_p, do_sample: bool = True, seed: int | None = None) -> GenerationConfig:
-        """How to sample; the defaults are step 3's (its ``--temperature --top_k --top_p``), declared once there."""
-        return GenerationConfig(max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=self.tok.pad_token_id,
-                                temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed)
+    def config(self, sampling: SamplingSection | None = None, *, do_sample: bool = True,
+               seed: int | None = None) -> GenerationConfig:
+        """How to sample: ``sampling`` (the tool's flags; None: the section's defaults, step 3's) with this policy's
+        stop and pad ids."""
+        return (sampling or SamplingSection()).generation(self.stop_ids, self.tok.pad_token_id, seed=seed,
+                                                          do_sample=do_sample)
 
     def encode(self, prompts: Sequence[str], max_prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded (ids, mask) of raw prompts in the policy's prompt format; a prompt over
@@ -270,62 +272,48 @@ def generate_file(policy: LoadedPolicy, prompts: Sequence[Prompt], output: str |
 
 # ------------------------------------------------------------------------------------ the tools' flags
 def add_sampling_args(p: argparse.ArgumentParser, temperature: bool = True) -> None:
-    """The policy and sampling flags the generation tools share, sampling as step 3 samples unless told otherwise
-    (the defaults are :class:`marlhf.config.RLHFArgs`'s); ``temperature=False``: a tool with a flag of its own."""
+    """The policy and sampling flags the generation tools share: sampling as step 3 samples unless told otherwise
+    (the flags of :class:`~marlhf.sections.SamplingSection`, step 3's); ``temperature=False``: a tool with a flag of
+    its own."""
 
     p.add_argument("--model", default="", help="HF folder, step output or hub name (empty: the embedded default)")
     p.add_argument("--model_part", default="actor", choices=STEP3_MODELS, help="Which model of a step-3 output")
-    p.add_argument("--max_new_tokens", type=int, default=RLHFArgs.max_answer_seq_len)
-    p.add_argument("--max_prompt_len", type=int, default=RLHFArgs.max_prompt_seq_len,
-                   help="Longer prompts keep their most recent turns")
-    if temperature:
-        p.add_argument("--temperature", type=float, default=RLHFArgs.temperature)
-    p.add_argument("--top_k", type=int, default=RLHFArgs.top_k, help="0: off")
-    p.add_argument("--top_p", type=float, default=RLHFArgs.top_p)
-    p.add_argument("--end_of_conversation_token", default="", help="Default: the one recorded with the model")
-    p.add_argument("--prompt_format", default=BaseArgs.prompt_format, choices=("auto", "raw", "chat_template"))
-    p.add_argument("--debug", action="store_true", help="Show tracebacks for user errors")
-
+    add_flags(p, SamplingSection, only=("max_answer_seq_len", "max_prompt_seq_len", "top_k", "top_p")
+              + (("temperature",) if temperature else ()),
+              help={"max_prompt_seq_len": "Longer prompts keep their most recent turns (as step 3 cuts them)."})
+    add_flags(p, DataSection, only=("end_of_conversation_token", "prompt_format"),
+              help={"end_of_conversation_token": "Default: the one recorded with the model."})
+    add_flags(p, RobustnessSection, only=("debug",))
     add_placement_args(p)
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
     """``--prompts FILE`` or ``--data_path SPEC… --split`` with the training run's split flags."""
 
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", default=None, help="json/jsonl/parquet file with a 'prompt' per row")
-    src.add_argument("--data_path", nargs="+", default=None, help="Dataset specs as in training")
-    p.add_argument("--split", default="eval", choices=("eval", "train"), help="With --data_path: which prompts")
-    p.add_argument("--phase", type=int, default=3, choices=(1, 2, 3),
-                   help="With --data_path: whose share of the rows (1 SFT, 2 reward model, 3 RLHF), as training splits "
-                        "them; 2 gives the prompts to label for a reward model (marlhf label)")
-    p.add_argument("--data_split", default=BaseArgs.data_split)
-    p.add_argument("--data_seed", type=int, default=BaseArgs.seed, help="The training run's --seed (data split)")
-    p.add_argument("--eval_fraction", type=float, default=BaseArgs.eval_fraction)
-    p.add_argument("--bad_rows", default="error", choices=("error", "skip"))
-    p.add_argument("--max_prompts", type=int, default=0, help="Use the first N prompts (0: all)")
+    add_flags(p.add_mutually_exclusive_group(required=True), PromptSource, only=("prompts", "data_path"))
+    add_flags(p, PromptSource, only=("split", "phase", "max_prompts"))
+    add_flags(p, DataSection, only=("data_split", "data_seed", "eval_fraction", "bad_rows"),
+              help={"data_seed": "The training run's split seed: its --data_seed, else its --seed (-1: the default "
+                                 "--seed, as a run given neither split)."})
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptSource:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptSource(Section):
     """Where a tool's prompts come from (the flags of :func:`add_prompt_args`): a prompt file, or a dataset's
-    share of rows split as training split it."""
+    share of rows split as training split it (the split flags are :class:`~marlhf.sections.DataSection`'s)."""
 
-    prompts: str | None
-    data_path: tuple[str, ...]
-    split: str
-    phase: int
-    data_split: str
-    data_seed: int
-    eval_fraction: float
-    bad_rows: str
-    max_prompts: int  # the first N (0: all)
+    TITLE = "prompts"
 
-    @classmethod
-    def from_args(cls, args) -> PromptSource:
-        return cls(prompts=args.prompts, data_path=tuple(args.data_path or ()), split=args.split, phase=args.phase,
-                   data_split=args.data_split, data_seed=args.data_seed, eval_fraction=args.eval_fraction,
-                   bad_rows=args.bad_rows, max_prompts=args.max_prompts)
+    prompts: str | None = flag(None, "json/jsonl/parquet file with a 'prompt' per row.")
+    data_path: tuple[str, ...] | None = flag(None, "Dataset specs as in training.")
+    split: str = flag("eval", "With --data_path: which prompts.", choices=("eval", "train"))
+    phase: int = flag(3, "With --data_path: whose share of the rows (1 SFT, 2 reward model, 3 RLHF), as training "
+                      "splits them; 2 gives the prompts to label for a reward model (marlhf label).", choices=(1, 2, 3))
+    max_prompts: int = flag(0, "Use the first N prompts (0: all).")
+    data_split: str = derived(lambda a: a.data_split)
+    data_seed: int = derived(lambda a: a.data_seed if a.data_seed >= 0 else ScheduleSection.seed)
+    eval_fraction: float = derived(lambda a: a.eval_fraction)
+    bad_rows: str = derived(lambda a: a.bad_rows)
 
     def load(self) -> list[Prompt]:
         if self.max_prompts < 0:

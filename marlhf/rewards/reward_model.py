@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 import torch
 
-from marlhf.config import BaseArgs, RewardArgs
 from marlhf.data.formatting import LongPromptPolicy
 from marlhf.data.pipeline import SFTCollator, _pad, tokenize_phase
 from marlhf.data.records import BadRowPolicy, Record
@@ -18,6 +17,7 @@ from marlhf.dpo import labelled_logprobs
 from marlhf.models.forward import sequence_scores
 from marlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer_and_format
 from marlhf.models.placement import resolve_placement
+from marlhf.sections import DataSection, SupervisedSection
 
 
 class Scorer:
@@ -28,8 +28,8 @@ class Scorer:
     def load(path: str, tokenizer, dtype: torch.dtype = torch.float32):
         return load_reward_model(path, tokenizer, dtype=dtype)
 
-    def __init__(self, path: str, eot: str = "", max_seq_len: int = RewardArgs.max_seq_len,
-                 prompt_format: str = BaseArgs.prompt_format,
+    def __init__(self, path: str, eot: str = "", max_seq_len: int = SupervisedSection.max_seq_len,
+                 prompt_format: str = DataSection.prompt_format,
                  device: str = "auto", dtype: str | torch.dtype = "auto"):
         """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`)."""
 

@@ -15,7 +15,7 @@ from marlhf.data.records import BadRowPolicy, DataError, require_text
 from marlhf.errors import ConfigError
 
 if TYPE_CHECKING:
-    from marlhf.data.pipeline import DataSection
+    from marlhf.sections import DataSection
 
 log = logging.getLogger("marlhf")
 

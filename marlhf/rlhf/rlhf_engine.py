@@ -13,7 +13,6 @@ ema       = optional exponential moving average of the actor (a frozen engine up
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,14 +30,13 @@ from marlhf.models.loading import (
     zero3_init_config,
 )
 from marlhf.models.lora import apply_lora
-from marlhf.rlhf.advantages import estimator_class
-from marlhf.rlhf.sections import BatchSection
+from marlhf.rlhf.sections import BatchSection, ModelsSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import engine_from_section, frozen_engine, with_learning_rate
 from marlhf.utils.zero3 import local_partition, materialized
 
 if TYPE_CHECKING:
-    from marlhf.config import EngineSection
+    from marlhf.sections import EngineSection
 
 log = logging.getLogger("marlhf")
 
@@ -61,64 +59,6 @@ class RLHFEngine:
         if self.ema is not None:
             out["ema"] = self.ema
         return out
-
-
-@dataclass(frozen=True)
-class ModelsSection:
-    """Step 3's four models (and the EMA): where each comes from and how each is built beside its engine.  The
-    paths are resolved by the entry point (an empty actor flag is the embedded model; the critic is the reward
-    model, or the actor when the reward needs none; the reward model is None when the reward is not a model)."""
-
-    actor_path: str
-    critic_path: str
-    reward_path: str | None
-    reward_ensemble: tuple[str, ...]  # more reward models combined with the main one (--reward_ensemble)
-    needs_critic: bool  # the advantage estimator trains a critic
-    with_ptx: bool  # the actor takes a second micro-step per batch (the ptx loss)
-    actor_dropout: float | None
-    critic_dropout: float | None
-    actor_lora_dim: int  # --actor_lora_dim, else --lora_dim
-    actor_lora_module_name: str
-    critic_lora_dim: int
-    critic_lora_module_name: str
-    only_optimize_lora: bool
-    actor_zero_stage: int
-    critic_zero_stage: int
-    offload: bool
-    offload_reference_model: bool
-    dtype: str
-    enable_ema: bool
-    enable_hybrid_engine: bool
-    max_out_tokens: int  # the hybrid engine's: prompt + answer
-    inference_tp_size: int
-    tp_gather_partition_size: int
-    release_inference_cache: bool
-    unpin_actor_parameters: bool
-    enable_mixed_precision_lora: bool
-    end_of_conversation_token: str  # the run's (an added token grows the actor's vocabulary)
-    reward_source: str  # for the log only
-
-    @classmethod
-    def from_args(cls, args, *, actor_path: str, critic_path: str, reward_path: str | None,
-                  end_of_conversation_token: str) -> ModelsSection:
-        return cls(actor_path=actor_path, critic_path=critic_path, reward_path=reward_path,
-                   reward_ensemble=tuple(args.reward_ensemble),
-                   needs_critic=estimator_class(args.advantage_estimator).needs_critic,
-                   with_ptx=bool(args.unsupervised_dataset_name) and args.unsup_coef != 0,
-                   actor_dropout=args.actor_dropout, critic_dropout=args.critic_dropout,
-                   actor_lora_dim=args.actor_lora_dim or args.lora_dim,
-                   actor_lora_module_name=args.actor_lora_module_name or args.lora_module_name,
-                   critic_lora_dim=args.critic_lora_dim, critic_lora_module_name=args.critic_lora_module_name,
-                   only_optimize_lora=args.only_optimize_lora, actor_zero_stage=args.actor_zero_stage,
-                   critic_zero_stage=args.critic_zero_stage, offload=args.offload,
-                   offload_reference_model=args.offload_reference_model, dtype=args.dtype,
-                   enable_ema=args.enable_ema, enable_hybrid_engine=args.enable_hybrid_engine,
-                   max_out_tokens=args.max_prompt_seq_len + args.max_answer_seq_len,
-                   inference_tp_size=args.inference_tp_size, tp_gather_partition_size=args.tp_gather_partition_size,
-                   release_inference_cache=args.release_inference_cache,
-                   unpin_actor_parameters=args.unpin_actor_parameters,
-                   enable_mixed_precision_lora=args.enable_mixed_precision_lora,
-                   end_of_conversation_token=end_of_conversation_token, reward_source=args.reward_source)
 
 
 def model_paths(actor: str, critic: str, reward: str, reward_source: str,
@@ -235,9 +175,8 @@ def optimizer_steps(batches: BatchSection, ppo_steps: int, with_ptx: bool = Fals
     Each PPO step runs ``--ppo_epochs`` passes over ``--generation_batches`` experience batches split into
     micro-batches of ``--per_device_training_batch_size``; every micro-batch is one DeepSpeed micro-step
     (two for the actor with a ptx loss), and ``--gradient_accumulation_steps`` micro-steps make one update."""
-    micro = math.ceil(batches.experiences_per_batch / batches.training_batch)
-    micro *= batches.generation_batches * batches.ppo_epochs * (2 if with_ptx else 1)
-    return max(1, ppo_steps * micro // batches.gradient_accumulation_steps)
+    micro = batches.actor_micro_steps * (2 if with_ptx else 1)
+    return max(1, ppo_steps * micro // batches.schedule.gradient_accumulation_steps)
 
 
 # The EMA's weights are float32 in every run.  A step moves the average by (1 - decay)·(actor - ema): at

@@ -24,11 +24,11 @@ from marlhf.rlhf import macro
 from marlhf.rlhf.advantages import build_estimator
 from marlhf.rlhf.rlhf_engine import RLHFEngine, update_ema
 from marlhf.rlhf.rollout import Experience, RolloutParts, make_experience
-from marlhf.rlhf.sections import BatchSection, MacroSection, PolicySection, RolloutSection, UpdateSection
+from marlhf.rlhf.sections import BatchSection, MacroSection, ReportSection, RolloutSection, UpdateSection
 from marlhf.rlhf.segmentation import MacroSegmenter
-from marlhf.rlhf.termination import rule_inputs
 from marlhf.rlhf.update import ppo_update
 from marlhf.sampler import GenerationConfig, Samples
+from marlhf.sections import LoopSection, RobustnessSection
 from marlhf.utils import dist
 from marlhf.utils.optim_step import StepGuard
 from marlhf.utils.timing import NO_TIMER
@@ -45,22 +45,11 @@ class MAPPOSections:
     rollout: RolloutSection
     update: UpdateSection
     batches: BatchSection
-    loop: loop.LoopSection
+    loop: LoopSection
     generation: GenerationConfig
-    max_skipped_steps: int
+    robustness: RobustnessSection  # --max_skipped_steps
     ema_decay: float
-    print_answers_interval: int  # 0: no printed answers
-
-    @classmethod
-    def from_args(cls, args, *, response_kind: str, stop_ids, pad_id: int) -> MAPPOSections:
-        """Step 3's flags, with the run's resolved response kind and the tokenizer's stop and pad ids."""
-        macro, policy, batches = (MacroSection.from_args(args, response_kind), PolicySection.from_args(args),
-                                  BatchSection.from_args(args))
-        return cls(macro=macro, rollout=RolloutSection.from_args(args, rule_inputs(macro), policy),
-                   update=UpdateSection.from_args(args, policy, batches), batches=batches,
-                   loop=loop.LoopSection.from_args(args), generation=GenerationConfig.from_args(args, stop_ids, pad_id),
-                   max_skipped_steps=args.max_skipped_steps, ema_decay=args.ema_decay,
-                   print_answers_interval=args.print_answers_interval if args.print_answers else 0)
+    report: ReportSection  # printed answers
 
 
 class MAPPOTrainer(loop.Recipe):
@@ -72,12 +61,12 @@ class MAPPOTrainer(loop.Recipe):
         self.rlhf, self.tokenizer, self.sections = rlhf, tokenizer, sections
         self.pad_id = tokenizer.pad_token_id
         self.gen_cfg = sections.generation
-        self.segmenter = MacroSegmenter(sections.macro, tokenizer, sections.batches.seed)
+        self.segmenter = MacroSegmenter(sections.macro, tokenizer, sections.batches.schedule.seed)
         self.rollout, self.update = sections.rollout, sections.update
         self.estimator = build_estimator(self.rollout)
         # the reward source (marlhf.rewards): the frozen reward engine unless another is given
         self.reward = reward if reward is not None else RewardModelSource(rlhf.reward)
-        self.guard = StepGuard(sections.max_skipped_steps)  # drops non-finite updates, stops after too many
+        self.guard = StepGuard(sections.robustness.max_skipped_steps)  # drops non-finite updates, stops after too many
         self.timer = NO_TIMER  # a marlhf.utils.timing.PhaseTimer times each phase (the cost benchmark)
 
     # -- 1-3. experience (marlhf.rlhf.rollout) ------------------------------------------------------------
@@ -123,7 +112,7 @@ class MAPPOTrainer(loop.Recipe):
         stats = {k: sum(s[k] for s in gen_stats) / len(gen_stats) for k in gen_stats[0]}
         stats.update(train_stats, train_seconds=time.time() - t0, actor_lr=self.rlhf.actor.get_lr()[0])
         stats["step_seconds"] = time.time() - t_step  # the whole step: experience and update (wall-clock parity)
-        every = self.sections.print_answers_interval
+        every = self.sections.report.every
         if every and (step + 1) % every == 0:
             self._print_sample(exps[0])
         return stats
@@ -148,10 +137,10 @@ class MAPPOTrainer(loop.Recipe):
         logged as ``eval/*`` every ``--eval_interval`` steps (the evaluations before and after are the caller's).
         Returns the steps done."""
         b = self.sections.batches
-        sampler = ResumableSampler(len(prompts), b.seed)
+        sampler = ResumableSampler(len(prompts), b.schedule.seed)
         loader = make_loader(prompts, b.generation_batch, sampler, PromptCollator(self.pad_id))
         steps_per_epoch, total = plan_steps(len(prompts), b.generation_batch, b.generation_batches,
-                                            b.num_train_epochs, b.max_steps, what="prompts")
+                                            b.schedule.num_train_epochs, b.schedule.max_steps, what="prompts")
         self._ptx, self._evaluate, self._num_prompts = self._ptx_iterator(ptx_items), evaluate, len(prompts)
         return loop.run(self, loader, sampler, self.sections.loop, steps_per_epoch=steps_per_epoch,
                         total=total, batches_per_step=b.generation_batches, items_per_batch=b.generation_batch)
@@ -161,7 +150,7 @@ class MAPPOTrainer(loop.Recipe):
             return None
         dev = dist.device()
         b = self.sections.batches
-        loader = make_loader(items, b.training_batch, ResumableSampler(len(items), b.seed + 1),
+        loader = make_loader(items, b.training_batch, ResumableSampler(len(items), b.schedule.seed + 1),
                              SFTCollator(self.pad_id))
 
         def forever():

@@ -32,7 +32,7 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
     for the critic-free estimators: no value loss.  ``timer`` (:mod:`marlhf.utils.timing`) times each model's
     forward + backward + optimizer step as ``train/actor``, ``train/critic`` and ``train/ptx``."""
     s = settings
-    G = s.batches.gradient_accumulation_steps
+    G = s.batches.schedule.gradient_accumulation_steps
     plan = [mb for _ in range(s.batches.ppo_epochs) for exp in exps for mb in exp.split(s.batches.training_batch)]
     ptx = [next(ptx_batches) for _ in plan] if ptx_batches is not None else None
     per_actor = 2 if ptx is not None else 1  # actor micro-steps per micro-batch

@@ -15,7 +15,7 @@ from marlhf.utils.ds_config import eval_config, train_config
 from marlhf.utils.optim_step import guard_optimizer
 
 if TYPE_CHECKING:  # the flags' section type only; utils/ does not import the config at run time
-    from marlhf.config import EngineSection
+    from marlhf.sections import EngineSection
 
 log = logging.getLogger("marlhf")
 
@@ -116,10 +116,11 @@ def engine_from_section(model: nn.Module, section: EngineSection, total_steps: i
     section = with_learning_rate(section, model)
     return train_engine(model, lr=section.learning_rate, weight_decay=section.weight_decay,
                         lora_lr=section.lora_learning_rate,
-                        micro_batch=micro_batch, grad_accum=section.gradient_accumulation_steps,
+                        micro_batch=micro_batch, grad_accum=section.schedule.gradient_accumulation_steps,
                         zero_stage=section.zero_stage, offload=section.offload, dtype=section.dtype,
-                        scheduler=section.lr_scheduler_type,
-                        warmup=warmup_steps(total_steps, section.num_warmup_steps, section.warmup_ratio),
+                        scheduler=section.schedule.lr_scheduler_type,
+                        warmup=warmup_steps(total_steps, section.schedule.num_warmup_steps,
+                                            section.schedule.warmup_ratio),
                         total_steps=total_steps, gradient_checkpointing=section.gradient_checkpointing,
                         extra_config=extra_config)
 

@@ -1,7 +1,7 @@
 """Advantage estimators as components: each is one class in one file of this package, registered by name
 (``--advantage_estimator``), built once from the ``rollout`` section, and asked for a batch's advantages.
 
-    estimator = build_estimator(RolloutSection.from_args(args))     # marlhf.rlhf.sections
+    estimator = build_estimator(RolloutSection.build(args))     # marlhf.rlhf.sections
     estimator.needs_critic                                          # the engine builds a critic or not
     advantages, returns, stats = estimator(batch)                   # (B, A), (B, A), detached scalars
 

@@ -1,7 +1,7 @@
 """Termination rules ζ as components: each rule is one class in one file of this package, registered by name,
 built once from the ``macro`` section of the step-3 settings and asked for the macro-action starts of a batch.
 
-    rule = build_rule(MacroSection.from_args(args), tokenizer)     # marlhf.rlhf.sections
+    rule = build_rule(MacroSection.build(args, response_kind="text"), tokenizer)  # marlhf.rlhf.sections
     starts = rule.starts(answers)            # (B, A) bool: the first token of each macro action
 
 A rule only decides where macro actions start; :class:`~marlhf.rlhf.segmentation.MacroSegmenter` turns the
