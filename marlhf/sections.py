@@ -219,6 +219,46 @@ class SamplingSection(Section):
                                 do_sample=do_sample, seed=seed)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GenerationEngineSection(Section):
+    """What samples the answers: the policy's own Hugging Face ``generate`` (the default), or a vLLM engine per
+    rank colocated with training, the actor's weights pushed into it after every update
+    (:mod:`marlhf.vllm_sampler`)."""
+
+    TITLE = "generation engine"
+
+    backend: str = flag("hf", "hf: the actor's own Hugging Face generate; vllm: a vLLM engine per rank (pip install "
+                        "'marlhf[vllm]'), the actor's weights pushed into it after every update, π_old still "
+                        "recomputed by the actor (the gap is logged: engine_logprob_gap_mean/max).",
+                        choices=("hf", "vllm"), name="generation_backend")
+    gpu_memory_utilization: float = flag(0.3, "vllm: the share of the GPU's memory the engine may take (its weights "
+                                         "and KV cache), beside the training models (vLLM's CPU build: of the "
+                                         "machine's memory).",
+                                         name="vllm_gpu_memory_utilization")
+    kv_cache_gb: float = flag(0.0, "vllm: the engine's KV cache in GiB (0: what --vllm_gpu_memory_utilization "
+                              "leaves after the weights).", name="vllm_kv_cache_gb")
+    enable_sleep_mode: bool = flag(False, "vllm, GPU only: the engine frees its weights and KV cache while the models "
+                                   "train and takes them back before generating.", name="vllm_enable_sleep_mode")
+
+    def check(self, *, on_gpu: bool) -> None:
+        """The engine's options, checked with the flags (ValueError naming the flag) before any model loads."""
+        default = type(self)()
+        flags = {"--vllm_gpu_memory_utilization": self.gpu_memory_utilization != default.gpu_memory_utilization,
+                 "--vllm_kv_cache_gb": self.kv_cache_gb != default.kv_cache_gb,
+                 "--vllm_enable_sleep_mode": self.enable_sleep_mode}
+        if self.backend != "vllm":
+            given = [name for name, changed in flags.items() if changed]
+            if given:
+                raise ValueError(f"{', '.join(given)}: for --generation_backend vllm, not {self.backend}")
+            return
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb < 0:
+            raise ValueError(f"--vllm_kv_cache_gb must be >= 0 (0: the engine's default), got {self.kv_cache_gb}")
+        if self.enable_sleep_mode and not on_gpu:
+            raise ValueError("--vllm_enable_sleep_mode frees GPU memory; there is no GPU here: drop it")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # steps 1-2
 # ---------------------------------------------------------------------------------------------------------

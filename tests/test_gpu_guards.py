@@ -91,6 +91,7 @@ def test_hybrid_engine_refused_before_loading_naming_the_architecture(model_type
         check_hybrid_engine(models)
     msg = str(err.value)
     assert f"model_type '{model_type}'" in msg and "the model's own generate()" in msg
+    assert "use --generation_backend vllm instead" in msg  # where fast rollouts are
     if model_type == "llama":
         assert "grouped-query attention" in msg and "'llama3' rope scaling" in msg
 

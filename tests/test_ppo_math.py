@@ -231,8 +231,9 @@ def test_compute_advantages_checks_seg():
 
 
 # ---------------------------------------------------------------- losses
-def ref_policy_loss(lp, old, adv, seg, eps, ratio):
-    """Per sample, per macro action: the clipped surrogate summed over tokens, / number of real tokens."""
+def ref_policy_loss(lp, old, adv, seg, eps, ratio, weights=None):
+    """Per sample, per macro action: the clipped surrogate (times the token's importance weight, when given)
+    summed over tokens, / number of real tokens."""
     total, count = 0.0, 0
     for b, row in enumerate(seg.tolist()):
         for w in macros_of(row):
@@ -240,9 +241,37 @@ def ref_policy_loss(lp, old, adv, seg, eps, ratio):
             for k in w:
                 r = math.exp(macro_lr if ratio == "macro" else float(lp[b, k]) - float(old[b, k]))
                 a = float(adv[b, k])
-                total += max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
+                weight = 1.0 if weights is None else float(weights[b, k])
+                total += weight * max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
                 count += 1
     return total / max(count, 1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("ratio", ["token", "macro"])
+def test_truncated_importance_weights_and_their_loss_match_loop(seed, ratio):
+    """TIS for a generation engine's answers: w_t = min(π_old / π_engine, C) per real token, and the policy loss
+    with each token's term times w_t — against loops over the tokens."""
+    from marlhf.rlhf.ppo_math import truncated_is_weights
+
+    _, mask, _, seg, rnd = random_batch(seed)
+    old, cap = rnd(), 1.5
+    engine = old + 0.5 * rnd()  # some ratios beyond the cap, some below 1
+    lp = old + 0.3 * rnd()
+    adv = torch.where(mask, rnd(), 0.0)
+    weights, stats = truncated_is_weights(old, torch.where(mask, engine, -1e4), mask, cap)  # padding: no effect
+    B, T = mask.shape
+    ref = [[min(math.exp(float(old[b, t]) - float(engine[b, t])), cap) if mask[b, t] else 1.0 for t in range(T)]
+           for b in range(B)]
+    assert torch.allclose(weights, torch.tensor(ref, dtype=weights.dtype), atol=1e-6)
+    real = [(b, t) for b in range(B) for t in range(T) if mask[b, t]]
+    above = sum(math.exp(float(old[b, t]) - float(engine[b, t])) > cap for b, t in real)
+    assert float(stats["tis_truncated"]) == pytest.approx(above / len(real)) and 0 < above < len(real)
+    assert float(stats["tis_weight_mean"]) == pytest.approx(sum(ref[b][t] for b, t in real) / len(real))
+    loss, _ = policy_loss(lp, old, adv, mask, 0.2, seg=seg, ratio=ratio, is_weights=weights)
+    assert abs(float(loss) - ref_policy_loss(lp, old, adv, seg, 0.2, ratio, weights)) < 1e-9
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(old, engine, mask, 0.0)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -122,8 +122,11 @@ def mappo_sections(args, *, response_kind: str, stop_ids, pad_id: int):
 
     macro, policy, batches = (MacroSection.build(args, response_kind=response_kind), PolicySection.build(args),
                               BatchSection.build(args))
+    # a generation engine's answers: the actor recomputes log π_old itself (what the engine's numbers and the
+    # truncated importance weights are compared with), as if the rule read it
+    reads = rule_inputs(macro) | ({"logprobs"} if args.generation_backend == "vllm" else set())
     return MAPPOSections(
-        macro=macro, rollout=RolloutSection.build(args, policy=policy, batches=batches, rule_inputs=rule_inputs(macro)),
+        macro=macro, rollout=RolloutSection.build(args, policy=policy, batches=batches, rule_inputs=frozenset(reads)),
         update=UpdateSection.build(args, policy=policy, batches=batches), batches=batches, loop=LoopSection.build(args),
         generation=SamplingSection.build(args).generation(stop_ids, pad_id), robustness=RobustnessSection.build(args),
         ema_decay=args.ema_decay, report=ReportSection.build(args))
@@ -150,4 +153,12 @@ def step3_trainer(args, actor: str, tokenizer, fmt: ConversationFormat, context:
     rlhf = build_rlhf_engine(models, args.engine("actor"), args.engine("critic"), sections.batches, tokenizer,
                              total_steps)
     reward = reward if reward is not None else reward_source(args, task, rlhf.reward, rlhf.reward_ensemble)
-    return MAPPOTrainer(rlhf, tokenizer, sections, reward=reward), rlhf.learning_rates
+    engine = None
+    if args.generation_backend == "vllm":  # after the models: the engine takes what memory they leave
+        from marlhf.sections import GenerationEngineSection
+        from marlhf.vllm_sampler import VLLMSampler
+
+        engine = VLLMSampler(actor, GenerationEngineSection.build(args),
+                             max_model_len=args.max_prompt_seq_len + args.max_answer_seq_len, dtype=args.dtype,
+                             seed=args.seed)
+    return MAPPOTrainer(rlhf, tokenizer, sections, reward=reward, engine=engine), rlhf.learning_rates

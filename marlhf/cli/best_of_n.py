@@ -26,7 +26,7 @@ from marlhf.eval.best_of_n import best_of_n, plot, table_rows, to_csv, to_markdo
 from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, batch_seed
 from marlhf.rewards.gold import gold_scorer
 from marlhf.rewards.reward_model import Scorer
-from marlhf.sections import SamplingSection, ScheduleSection, SupervisedSection
+from marlhf.sections import GenerationEngineSection, SamplingSection, ScheduleSection, SupervisedSection
 from marlhf.utils.flags import add_flags
 
 log = logging.getLogger("marlhf")
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ns, n_max = sorted(set(args.n)), max(args.n)
     prompts = PromptSource.build(args).load()
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
-                          device=args.device, dtype=args.dtype)
+                          device=args.device, dtype=args.dtype, engine=GenerationEngineSection.build(args))
     rm = Scorer(args.reward_model, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
     gold = gold_scorer(args.gold, args.data_path, args.reward_model)
     sample_rows: list[dict] = []

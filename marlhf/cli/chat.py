@@ -18,7 +18,7 @@ import sys
 from marlhf.errors import run_cli
 from marlhf.eval.chat import ChatSession
 from marlhf.eval.generate_tool import LoadedPolicy, add_sampling_args
-from marlhf.sections import SamplingSection, ScheduleSection
+from marlhf.sections import GenerationEngineSection, SamplingSection, ScheduleSection
 from marlhf.tasks import load_task
 from marlhf.utils.flags import add_flags
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     app = load_task(args.task)
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
-                          device=args.device, dtype=args.dtype)
+                          device=args.device, dtype=args.dtype, engine=GenerationEngineSection.build(args))
     chat = ChatSession(policy, app, SamplingSection.build(args), greedy=args.greedy, seed=args.seed)
     print(f"chatting with {policy.path} (task {app.name}); /reset forgets the history, /quit leaves", flush=True)
     while True:

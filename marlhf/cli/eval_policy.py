@@ -26,7 +26,7 @@ from marlhf.eval.policy import evaluate_policy
 from marlhf.models.loading import load_causal_lm, load_options, load_reward_model, resolve_model_path, stop_token_ids
 from marlhf.rewards import OWN_EVALUATION_NAMES, evaluation_sources
 from marlhf.rlhf.sections import EvalSection
-from marlhf.sections import SamplingSection
+from marlhf.sections import GenerationEngineSection, SamplingSection
 from marlhf.utils import dist
 from marlhf.utils.ds_engine import frozen_engine
 
@@ -69,7 +69,15 @@ def main(argv=None):
     generation = SamplingSection.build(args).generation(stop_token_ids(tokenizer, fmt.end_of_conversation_token),
                                                         tokenizer.pad_token_id)
     held_out = held_out_part(data.eval, args.eval_prompts)
-    result = evaluate_policy(actor, tokenizer, held_out, EvalSection.build(args), generation, sources, ref=ref)
+    engine = None
+    if args.generation_backend == "vllm":  # the policy's folder in a vLLM engine: it samples, the actor scores
+        from marlhf.vllm_sampler import VLLMSampler
+
+        engine = VLLMSampler(resolve_model_path(run.model), GenerationEngineSection.build(args),
+                             max_model_len=args.max_prompt_seq_len + args.max_answer_seq_len, dtype=args.dtype,
+                             seed=args.seed)
+    result = evaluate_policy(actor, tokenizer, held_out, EvalSection.build(args), generation, sources, ref=ref,
+                             engine=engine)
     result["policy"] = run.model
     if dist.is_main():
         (Path(args.output_dir) / "eval.json").write_text(json.dumps(result, indent=1))

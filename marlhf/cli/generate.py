@@ -26,7 +26,7 @@ from pathlib import Path
 
 from marlhf.errors import run_cli
 from marlhf.eval.generate_tool import LoadedPolicy, PromptSource, add_prompt_args, add_sampling_args, generate_file
-from marlhf.sections import SamplingSection, ScheduleSection
+from marlhf.sections import GenerationEngineSection, SamplingSection, ScheduleSection
 from marlhf.utils.flags import add_flags
 
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     prompts = PromptSource.build(args).load()
     sampling = SamplingSection.build(args)
     policy = LoadedPolicy(args.model, args.model_part, args.end_of_conversation_token, args.prompt_format,
-                          device=args.device, dtype=args.dtype)
+                          device=args.device, dtype=args.dtype, engine=GenerationEngineSection.build(args))
     name = args.policy_name or (Path(args.model).name if args.model else "embedded")
     cfg = policy.config(sampling, do_sample=not args.greedy)
     source = {"prompts": args.prompts} if args.prompts else {

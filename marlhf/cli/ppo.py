@@ -73,7 +73,7 @@ def main(argv=None):
 
     def evaluate():
         return evaluate_policy(rlhf.actor, tokenizer, held_out, eval_section, trainer.gen_cfg, sources,
-                               ref=rlhf.ref)
+                               ref=rlhf.ref, engine=trainer.refreshed_engine())
 
     initial = Path(args.output_dir) / "initial_policy.json"  # kept so a resumed run reports it too
     before = resumed_record(initial, args.resume)  # read on rank 0, so all ranks evaluate or none

@@ -35,7 +35,13 @@ from marlhf.models.card import STEP3_MODELS, locate
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, resolve_model_path, stop_token_ids
 from marlhf.models.placement import add_placement_args, resolve_placement
 from marlhf.sampler import GenerationConfig, decode_samples, sample
-from marlhf.sections import DataSection, RobustnessSection, SamplingSection, ScheduleSection
+from marlhf.sections import (
+    DataSection,
+    GenerationEngineSection,
+    RobustnessSection,
+    SamplingSection,
+    ScheduleSection,
+)
 from marlhf.utils import events
 from marlhf.utils.flags import Section, add_flags, derived, flag
 
@@ -111,10 +117,21 @@ class LoadedPolicy:
     """A causal LM with its tokenizer (left padding), conversation format and stop ids, in eval mode."""
 
     def __init__(self, path: str, model: str = "actor", eot: str = "", prompt_format: str = DataSection.prompt_format,
-                 device: str = "auto", dtype: str | torch.dtype = "auto"):
-        """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`)."""
+                 device: str = "auto", dtype: str | torch.dtype = "auto",
+                 engine: GenerationEngineSection | None = None):
+        """``device`` / ``dtype``: as the tools' ``--device`` / ``--dtype`` (:mod:`marlhf.models.placement`);
+        ``engine``: the tools' ``--generation_backend`` flags (vllm: a vLLM engine on the policy's folder samples)."""
 
         self.placement = resolve_placement(device, dtype)
+        if engine is not None:  # the engine's flags, before any model loads
+            try:
+                engine.check(on_gpu=self.placement.device.type == "cuda")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            if engine.backend == "vllm":
+                from marlhf.vllm_sampler import require_vllm
+
+                require_vllm()
         self.path = policy_folder(path, model)
         self.tok, self.format = load_tokenizer_and_format(self.path, eot, prompt_format, padding_side="left")
         self.eot = self.format.end_of_conversation_token
@@ -122,6 +139,12 @@ class LoadedPolicy:
                                     end_of_conversation_token=self.eot).to(self.placement.device).eval()
         self.formatter = PromptFormatter(self.tok, self.format.prompt_format, self.eot)
         self.stop_ids = tuple(stop_token_ids(self.tok, self.eot))
+        self.engine = None
+        if engine is not None and engine.backend == "vllm":
+            from marlhf.vllm_sampler import VLLMSampler
+
+            dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.placement.dtype]
+            self.engine = VLLMSampler(self.path, engine, max_model_len=None, dtype=dtype_name, seed=0)
         log.info("policy %s (prompt format %s, end token %r) on %s in %s", self.path, self.format.prompt_format,
                  self.eot, self.placement.device, self.placement.dtype)
 
@@ -149,7 +172,8 @@ class LoadedPolicy:
         """(responses, ended, lengths) of ``num_samples`` answers per prompt, grouped by prompt."""
         ids, mask = self.encode(prompts, max_prompt_len)
         dev = self.placement.device
-        out = sample(self.model, ids.to(dev), mask.to(dev), cfg, num_samples=num_samples)
+        out = sample(self.model, ids.to(dev), mask.to(dev), cfg, num_samples=num_samples) if self.engine is None \
+            else self.engine.sample(ids.to(dev), mask.to(dev), cfg, num_samples=num_samples)
         _, responses = decode_samples(self.tok, out)
         return responses, out.ended.tolist(), out.lengths.tolist()
 
@@ -283,6 +307,7 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: bool = True) -> N
               help={"max_prompt_seq_len": "Longer prompts keep their most recent turns (as step 3 cuts them)."})
     add_flags(p, DataSection, only=("end_of_conversation_token", "prompt_format"),
               help={"end_of_conversation_token": "Default: the one recorded with the model."})
+    add_flags(p, GenerationEngineSection)
     add_flags(p, RobustnessSection, only=("debug",))
     add_placement_args(p)
 

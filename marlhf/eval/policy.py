@@ -3,6 +3,7 @@ under a fixed seed, scored by every reward source given (reward model, gold scor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -26,7 +27,7 @@ def _fields(name: str, source) -> dict[str, str]:
 
 @torch.no_grad()
 def evaluate_policy(actor, tokenizer, prompts: list[dict], section: EvalSection, generation: GenerationConfig,
-                    sources: dict, seed: int = 0, ref=None) -> dict:
+                    sources: dict, seed: int = 0, ref=None, engine=None) -> dict:
     """Mean answer length and EOS rate, and the mean score of each reward source in ``sources`` (name ->
     source, e.g. ``{"rm": ..., "gold": ...}`` gives ``rm_score``, ``gold_score`` and the gold components) of
     the actor's answers to held-out prompts, sampled with the training settings under a fixed seed that
@@ -34,7 +35,8 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], section: EvalSection,
     With ``ref``: ``kl``, the mean over answers of Σ_t log π(a_t|s_t) − log π_ref(a_t|s_t).  Each source's
     total also gets its standard error over the answers, ``<name>_score_se`` (sample standard deviation /
     √n): 64 held-out answers leave ~0.04 on the embedded task's gold score, so a reader sees what a
-    difference between two policies is worth."""
+    difference between two policies is worth.  ``engine``: a generation engine (vLLM, holding the actor's
+    current weights) that samples the answers instead of the actor, batch b under seed ``seed`` · 10⁶ + b."""
     pad = tokenizer.pad_token_id
     loader = make_loader(prompts, section.batch,
                          ResumableSampler(len(prompts), seed, shuffle=False), PromptCollator(pad))
@@ -45,9 +47,11 @@ def evaluate_policy(actor, tokenizer, prompts: list[dict], section: EvalSection,
     totals = torch.zeros(len(keys) + len(sources) + 1, dtype=torch.float64)  # sums of `keys`, of each source's
     # squared totals, then the count
     with isolated_rng(seed + dist.rank()):  # training's CPU and accelerator streams continue afterwards
-        for batch in loader:
+        for b, batch in enumerate(loader):
             p_ids, p_mask = batch["prompt_ids"].to(dev), batch["prompt_mask"].to(dev)
-            out = sample(actor, p_ids, p_mask, generation, zero3_generation=section.zero3_generation)
+            out = sample(actor, p_ids, p_mask, generation, zero3_generation=section.zero3_generation) \
+                if engine is None else \
+                engine.sample(p_ids, p_mask, dataclasses.replace(generation, seed=seed * 10 ** 6 + b))
             sums, squares = [out.answer_mask.sum().item(), out.ended.sum().item()], []
             for name, src in sources.items():
                 if len(fields[name]) > 1:  # a source that explains itself: the components next to the total

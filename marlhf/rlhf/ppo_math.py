@@ -144,6 +144,7 @@ def policy_loss(
     clip_eps: float,
     seg: torch.Tensor | None = None,
     ratio: str = "token",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped policy loss with macro advantages broadcast to tokens (§3.2.2).
 
@@ -151,7 +152,9 @@ def policy_loss(
     ratio="macro": r_ω = exp(Σ_{t∈ω} (log π - log π_old)), the paper's π(ω|s)/π_old(ω|s), given to every
     token of ω (needs ``seg``). Either way the clipped objective is averaged over all real tokens of the
     batch. Stats (detached): clipfrac (share of tokens where clipping is active), approx_kl (mean
-    per-token r - 1 - log r), ratio_mean.
+    per-token r - 1 - log r), ratio_mean.  ``is_weights`` (B, T): each token's term multiplied by its weight
+    (the truncated importance-sampling correction of answers a generation engine sampled,
+    :func:`truncated_is_weights`).
     """
     check_choice("ratio", ratio, RATIOS)
     m = mask.bool()  # (B, T)
@@ -167,7 +170,10 @@ def policy_loss(
     r = torch.exp(lr)  # (B, T)
     pg1 = -advantages_tok * r  # (B, T)
     pg2 = -advantages_tok * torch.clamp(r, 1.0 - clip_eps, 1.0 + clip_eps)  # (B, T)
-    loss = masked_mean(torch.maximum(pg1, pg2), m)
+    per_token = torch.maximum(pg1, pg2)
+    if is_weights is not None:
+        per_token = per_token * _real(is_weights, m).detach()
+    loss = masked_mean(per_token, m)
     with torch.no_grad():
         tok_lr = log_ratio.detach()
         stats = {
@@ -176,6 +182,21 @@ def policy_loss(
             "ratio_mean": masked_mean(r.detach(), m),
         }
     return loss, stats
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling (TIS) for answers sampled by a generation engine whose numbers differ from
+    the actor's: w_t = min(π_old(a_t|s_t) / π_engine(a_t|s_t), C), C = ``cap``, per real token (B, T), 1 on
+    padding, detached — the policy gradient is then an expectation under π_old although the tokens came from
+    π_engine.  Stats: tis_weight_mean, tis_truncated (share of tokens where the cap binds)."""
+    if not cap > 0:
+        raise ValueError(f"the truncated importance-sampling cap must be > 0, got {cap}")
+    m = mask.bool()
+    ratio = torch.exp(_real(old_logprobs, m) - _real(engine_logprobs, m)).detach()  # (B, T), 1 on padding
+    weights = torch.where(m, ratio.clamp(max=cap), torch.ones_like(ratio))
+    stats = {"tis_weight_mean": masked_mean(weights, m), "tis_truncated": masked_mean((ratio > cap).float(), m)}
+    return weights, stats
 
 
 def value_loss(

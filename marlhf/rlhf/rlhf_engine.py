@@ -128,9 +128,11 @@ def check_hybrid_engine(models: ModelsSection) -> None:
     reason = hybrid_engine_refusal(model_type, bool(models.actor_lora_dim))
     if reason:
         raise ConfigError(f"--enable_hybrid_engine cannot run the actor {actor_path} (model_type {model_type!r}): "
-                          f"{reason}. Drop the flag: generation then runs through the model's own generate() "
-                          f"(under ZeRO-3 see --zero3_generation). DeepSpeed 0.19 has kernels that may run for: "
-                          f"{', '.join(HYBRID_ENGINE_ARCHITECTURES)}.")
+                          f"{reason}. For fast rollouts use --generation_backend vllm instead (a vLLM engine per "
+                          f"rank, the actor's weights pushed into it after each update; pip install "
+                          f"'marlhf[vllm]'), or drop the flag: generation then runs through the model's own "
+                          f"generate() (under ZeRO-3 see --zero3_generation). DeepSpeed 0.19 has kernels that may "
+                          f"run for: {', '.join(HYBRID_ENGINE_ARCHITECTURES)}.")
 
 
 def frozen_zero_stage(stage: int, offload: bool) -> int:

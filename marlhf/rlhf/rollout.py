@@ -55,6 +55,7 @@ class Experience:
     seg: torch.Tensor  # (B, A) macro-action segment ids, -1 on padding
     advantages: torch.Tensor  # (B, A) macro advantages (gae) or the response's advantage, broadcast to tokens
     returns: torch.Tensor  # (B, A) macro returns Q (gae) or the sequence return R, broadcast to tokens
+    engine_logprobs: torch.Tensor | None = None  # (B, A) the generation engine's log π of the sampled tokens (vLLM)
 
     def split(self, size: int) -> list[Experience]:
         """Micro-batches of ``size`` samples (the tensors' batch dimension is sliced)."""
@@ -134,6 +135,15 @@ class RolloutParts:
     estimator: AdvantageEstimator  # marlhf.rlhf.advantages
     generation: GenerationConfig
     settings: RolloutSection
+    engine: object | None = None  # marlhf.vllm_sampler.VLLMSampler: samples instead of the actor (None: the actor)
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: GenerationConfig,
+               num_samples: int) -> Samples:
+        """Answers from π_old: the generation engine's when the run has one, else the actor's own ``generate``."""
+        if self.engine is not None:
+            return self.engine.sample(prompt_ids, prompt_mask, cfg, num_samples=num_samples)
+        return sample(self.actor, prompt_ids, prompt_mask, cfg, num_samples=num_samples,
+                      zero3_generation=self.settings.zero3_generation)
 
 
 def pack_samples(rows: list[tuple[list[int], list[int], bool]], P: int, A: int, pad_id: int,
@@ -156,7 +166,7 @@ def pack_samples(rows: list[tuple[list[int], list[int], bool]], P: int, A: int, 
 @torch.no_grad()
 def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, K: int,
                        generation: GenerationConfig, clip_reward_value: float | None, zero3_generation: str = "gather",
-                       chunk: int = 64) -> tuple[torch.Tensor, int]:
+                       chunk: int = 64, engine=None) -> tuple[torch.Tensor, int]:
     """V̂(s_k) of every macro action's start state (VinePPO / SPO): from s_k = prompt + the answer's tokens before
     macro action k, K continuations sampled with the current policy, the answer's token budget kept (a
     continuation is cut at A − t tokens, and then did not end); V̂(s_k) = the mean of their clipped scores.
@@ -169,7 +179,8 @@ def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, 
 
     Each chunk's generation and scoring are collective under ZeRO-3 (the parameters gathered, or fetched per
     layer), and ranks have different numbers of boundaries: every rank runs as many chunks as the rank with
-    the most, a rank out of states generating and scoring a one-state stand-in whose result it drops."""
+    the most, a rank out of states generating and scoring a one-state stand-in whose result it drops.  ``engine``:
+    a generation engine (vLLM) that samples the continuations instead of the actor."""
     P, A = out.prompt_width, out.seq.shape[1] - out.prompt_width
     B, M = seg.shape[0], int(seg.max().item()) + 1 if seg.numel() and bool((seg >= 0).any()) else 0
     values = torch.zeros((B, M), dtype=torch.float32, device=seg.device)
@@ -188,8 +199,9 @@ def monte_carlo_values(actor, score: Callable, out: Samples, seg: torch.Tensor, 
         for i, (p, x) in enumerate(zip(prompts, prefixes)):
             ids[i, width - len(p) - len(x):] = torch.tensor(p + x, dtype=torch.long)
             mask[i, width - len(p) - len(x):] = 1
-        cont = sample(actor, ids.to(out.seq.device), mask.to(out.seq.device), cfg, num_samples=K,
-                      zero3_generation=zero3_generation)
+        ids, mask = ids.to(out.seq.device), mask.to(out.seq.device)
+        cont = engine.sample(ids, mask, cfg, num_samples=K) if engine is not None else \
+            sample(actor, ids, mask, cfg, num_samples=K, zero3_generation=zero3_generation)
         rows, owners = [], []
         for i, (b, _, t) in enumerate(part):
             for j in range(K):
@@ -262,7 +274,7 @@ class RolloutContext:
         p, s = self.parts, self.parts.settings
         with self.record.clock("generation/mc", "mc_seconds"):
             values, n = monte_carlo_values(p.actor, p.score, self.samples, seg, K, p.generation, s.clip_reward_value,
-                                           s.zero3_generation)
+                                           s.zero3_generation, engine=p.engine)
         self.record.stats["mc_continuations"] = float(n)
         return values
 
@@ -273,8 +285,7 @@ def generate(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: torch.T
     prompt i, and this batch holds whole groups only (one rank generated them).  Timed as ``gen_seconds``."""
     K = parts.settings.num_samples_per_prompt
     with record.clock("generation", "gen_seconds"):
-        out = sample(parts.actor, prompt_ids, prompt_mask, parts.generation, num_samples=K,
-                     zero3_generation=parts.settings.zero3_generation)
+        out = parts.sample(prompt_ids, prompt_mask, parts.generation, K)
     if out.seq.shape[0] != prompt_ids.shape[0] * K:  # pragma: no cover - sample() guarantees it
         raise AssertionError(f"{out.seq.shape[0]} samples for {prompt_ids.shape[0]} prompts x K={K}")
     groups(torch.arange(out.seq.shape[0]), K)
@@ -356,6 +367,10 @@ def experience_stats(exp: Experience, out: Samples, valid: torch.Tensor, record:
              **{k: r[k] for k in ("parse_fallbacks", "gen_seconds", "macro_seconds", "mc_continuations",
                                   "mc_seconds", "critic_mc_corr", "critic_mc_rmse") if k in r},
              **{k: float(v) for k, v in estimator_stats.items()}}
+    if exp.engine_logprobs is not None and exp.logprobs is not None:  # the engine's numbers against the actor's
+        gap = torch.where(exp.mask, (exp.logprobs - exp.engine_logprobs).abs(), 0.0)
+        stats["engine_logprob_gap_mean"] = (gap.sum() / exp.mask.sum().clamp(min=1)).item()
+        stats["engine_logprob_gap_max"] = gap.max().item() if gap.numel() else 0.0
     if exp.logprobs is not None and exp.ref_logprobs is not None:  # the KL to the reference, when both were computed
         kl = torch.where(exp.mask, exp.logprobs - exp.ref_logprobs, 0.0).sum(dim=1)
         stats["kl"] = (kl.sum() / valid_n).item()
@@ -383,5 +398,5 @@ def make_experience(parts: RolloutParts, prompt_ids: torch.Tensor, prompt_mask: 
     advantages, returns, estimator_stats = estimate(rollout, data)  # macro advantages and returns
     check_critic(rollout, data)  # --critic_mc_check: the critic against Monte-Carlo values
     exp = Experience(out.seq, out.attention_mask, out.prompt_width, mask, logprobs, ref_logprobs, values, scores,
-                     data.rewards, seg, advantages, returns)
+                     data.rewards, seg, advantages, returns, out.engine_logprobs)
     return exp, experience_stats(exp, out, valid, record, estimator_stats, s.clip_reward_value)

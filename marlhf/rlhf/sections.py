@@ -322,6 +322,11 @@ class UpdateSection(Section):
     policy_ratio: str = flag("token", "PPO ratio per token with the macro advantage (released code) or per "
                              "macro action exp(Σ Δlogπ) (paper eq.)", choices=("token", "macro"))
     unsup_coef: float = flag(27.8, "Weight of the ptx loss.")
+    tis_cap: float = flag(0.0, "With --generation_backend vllm: truncated importance sampling of the engine's "
+                          "answers, each token's policy-gradient term weighted by min(π_old / π_engine, this cap) "
+                          "(veRL's and OpenRLHF's correction for the engine's numbers differing from the actor's); "
+                          "0: off. Needs --logprob_temperature 1 (the engine reports raw log-probabilities).",
+                          name="vllm_tis_cap")
     loss_aggregation: str = derived(lambda a: a.loss_aggregation)  # RobustnessSection's
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -57,8 +58,12 @@ class MAPPOTrainer(loop.Recipe):
 
     name = "ma-ppo"
 
-    def __init__(self, rlhf: RLHFEngine, tokenizer, sections: MAPPOSections, reward: RewardSource | None = None):
+    def __init__(self, rlhf: RLHFEngine, tokenizer, sections: MAPPOSections, reward: RewardSource | None = None,
+                 engine=None):
+        """``engine``: a generation engine (:class:`marlhf.vllm_sampler.VLLMSampler`) that samples the answers;
+        the actor's weights are pushed into it before the first rollout and after every update."""
         self.rlhf, self.tokenizer, self.sections = rlhf, tokenizer, sections
+        self.engine, self._engine_stale = engine, engine is not None
         self.pad_id = tokenizer.pad_token_id
         self.gen_cfg = sections.generation
         self.segmenter = MacroSegmenter(sections.macro, tokenizer, sections.batches.schedule.seed)
@@ -82,8 +87,12 @@ class MAPPOTrainer(loop.Recipe):
             meta = meta_rows if rows is None or meta_rows is None else [meta_rows[r] for r in rows]
             return score_samples(self.reward, self.tokenizer, s, meta)
 
+        generation = self.gen_cfg
+        if self.engine is not None:  # the engine's sampling stream is not in a checkpoint: a seed per (step, batch)
+            generation = dataclasses.replace(generation, seed=self.sections.batches.schedule.seed * 1_000_003
+                                             + step * 1_009 + batch)
         parts = RolloutParts(self.rlhf.actor, self.rlhf.ref, self.rlhf.critic, score, self.segmenter, self.estimator,
-                             self.gen_cfg, self.rollout)
+                             generation, self.rollout, self.refreshed_engine())
         return make_experience(parts, prompt_ids, prompt_mask, step, batch, self.timer)
 
     # -- 4. PPO update (marlhf.rlhf.update) ---------------------------------------------------------------
@@ -106,6 +115,7 @@ class MAPPOTrainer(loop.Recipe):
             gen_stats.append(s)
         t0 = time.time()
         train_stats = self.ppo_update(exps, self._ptx)  # 4. PPO epochs over the experience
+        self._engine_stale = self.engine is not None  # the engine's copy of the actor is now old
         train_stats.update(self.guard.end_step(step + 1))
         if self.rlhf.ema is not None:
             update_ema(self.rlhf.actor, self.rlhf.ema, self.sections.ema_decay)
@@ -116,6 +126,18 @@ class MAPPOTrainer(loop.Recipe):
         if every and (step + 1) % every == 0:
             self._print_sample(exps[0])
         return stats
+
+    def refreshed_engine(self):
+        """The generation engine holding the actor's current weights (pushed now if an update, or a resume, came
+        since the last push; every rank calls it: a ZeRO-3 push gathers); None without one."""
+        if self._engine_stale:
+            with self.timer("generation/push"):
+                self.engine.push_weights(self.rlhf.actor)
+            self._engine_stale = False
+        return self.engine
+
+    def restored(self) -> None:
+        self._engine_stale = self.engine is not None  # the actor now holds the checkpoint's weights
 
     def evaluate(self) -> dict | None:
         return None if self._evaluate is None else self._evaluate()

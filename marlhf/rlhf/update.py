@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from marlhf.rlhf.estimators import kl_loss
-from marlhf.rlhf.ppo_math import policy_loss, value_loss
+from marlhf.rlhf.ppo_math import policy_loss, truncated_is_weights, value_loss
 from marlhf.rlhf.rollout import Experience, critic_values, policy_logprobs
 from marlhf.rlhf.sections import UpdateSection
 from marlhf.utils.optim_step import StepGuard, loss_multipliers
@@ -54,8 +54,12 @@ def ppo_update(actor, critic, guard: StepGuard, exps: list[Experience], settings
             # no π_old from the rollout: no update has come since it (one epoch, one optimizer step), so it is
             # this forward's value (sections.needed_forwards)
             old = mb.logprobs if mb.logprobs is not None else logprobs.detach()
+            weights, tis = None, {}
+            if s.tis_cap > 0 and mb.engine_logprobs is not None:  # answers a generation engine sampled
+                weights, tis = truncated_is_weights(old, mb.engine_logprobs, mb.mask, s.tis_cap)
             pl, pstats = policy_loss(logprobs, old, mb.advantages, mb.mask, s.cliprange, seg=mb.seg,
-                                     ratio=s.policy_ratio)
+                                     ratio=s.policy_ratio, is_weights=weights)
+            pstats.update(tis)
             if s.policy.kl_in_loss and mb.ref_logprobs is not None:  # GRPO's KL term (none when β = 0)
                 kl = kl_loss(logprobs, mb.ref_logprobs, mb.mask)
                 pstats["kl_loss"] = kl.detach()

@@ -27,11 +27,11 @@ def init_distributed() -> None:
     """
     import deepspeed
 
-    if dist.is_available() and dist.is_initialized():
-        return
-    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("RANK", "0")  # also when a library started the group (an in-process vLLM engine)
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    if dist.is_available() and dist.is_initialized():
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     set_local_device()  # before the process group: its first collective must already run on this rank's device
