@@ -11,7 +11,8 @@ from conftest import REPO
 ROOT = REPO / "marlhf"
 LAYERS = {  # a module's layer is that of the longest prefix it matches (a package prefix or a module)
     "marlhf.errors": 0, "marlhf.utils": 0,
-    "marlhf.data": 1, "marlhf.models": 1, "marlhf.code": 1, "marlhf.parsing": 1, "marlhf.sampler": 1, "marlhf.vllm_sampler": 1,
+    "marlhf.data": 1, "marlhf.models": 1, "marlhf.code": 1, "marlhf.parsing": 1, "marlhf.sampler": 1,
+    "marlhf.vllm_sampler": 1,
     "marlhf.embedded.task": 1, "marlhf.embedded.code_task": 1, "marlhf.embedded.model": 1,
     "marlhf.embedded.tokenizer": 1,
     "marlhf.embedded": 1.5,  # the package itself builds the default from the task, a tokenizer and a model
