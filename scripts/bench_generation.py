@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from marlhf import embedded  # noqa: E402
 from marlhf.models.loading import load_causal_lm, load_tokenizer_and_format, stop_token_ids  # noqa: E402
-from marlhf.sampler import GenerationConfig, sample  # noqa: E402
+from marlhf.sampler import sample  # noqa: E402
 from marlhf.sections import GenerationEngineSection, SamplingSection  # noqa: E402
 from marlhf.utils.tracking import read_metrics  # noqa: E402
 from marlhf.vllm_sampler import VLLMSampler  # noqa: E402
@@ -73,8 +73,8 @@ def bench_model(name: str, path: str, answers: list[int], max_new_tokens: int, r
     rows = []
     for n in answers:
         ids, mask = prompts(tok, fmt, n // K)
-        hf_s, hf_tok = timed(lambda: sample(model, ids, mask, cfg, num_samples=K), repeats)
-        vl_s, vl_tok = timed(lambda: engine.sample(ids, mask, cfg, num_samples=K), repeats)
+        hf_s, hf_tok = timed(lambda i=ids, m=mask: sample(model, i, m, cfg, num_samples=K), repeats)
+        vl_s, vl_tok = timed(lambda i=ids, m=mask: engine.sample(i, m, cfg, num_samples=K), repeats)
         hf_rate = [hf_tok / s for s in hf_s]
         vl_rate = [vl_tok / s for s in vl_s]
         rows.append({"model": name, "answers": n, "hf_tokens": hf_tok, "vllm_tokens": vl_tok,
@@ -82,7 +82,6 @@ def bench_model(name: str, path: str, answers: list[int], max_new_tokens: int, r
                      "vllm_tok_s": statistics.median(vl_rate), "vllm_tok_s_range": [min(vl_rate), max(vl_rate)],
                      "speedup": statistics.median(vl_rate) / statistics.median(hf_rate)})
         print(json.dumps(rows[-1]), flush=True)
-    del engine
     return rows
 
 
