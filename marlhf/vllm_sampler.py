@@ -49,8 +49,7 @@ class VLLMSampler:
                  seed: int):
         """An engine on ``model_path`` (the actor's folder or hub name; its weights are replaced by the first push)
         with the ``--vllm_*`` options, planning for ``max_model_len`` prompt + answer tokens (None: the model's
-        context length), in the policy's
-        ``dtype`` (fp32 | bf16 | fp16), sampling under ``seed`` + rank."""
+        context length), in the policy's ``dtype`` (fp32 | bf16 | fp16), sampling under ``seed`` + rank."""
         require_vllm()
         # the engine in this process: its model object is reachable for the weight push, no second process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -64,7 +63,7 @@ class VLLMSampler:
             kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_gb * 2 ** 30)
         self.llm = LLM(**kwargs)
         self.options = options
-        self.pushes = 0  # weight pushes so far
+        self.asleep = False
 
     # ------------------------------------------------------------------------------------------------ sample
     def sampling_params(self, cfg: GenerationConfig, num_samples: int, seed: int | None):
@@ -138,17 +137,18 @@ class VLLMSampler:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         self.llm.apply_model(_reprocess_tied_head)
         self.llm.reset_prefix_cache()  # keys and values computed with the old weights
-        self.pushes += 1
         return count[0]
 
     def sleep(self) -> None:
         """GPU, ``--vllm_enable_sleep_mode``: free the engine's memory while the models train."""
-        if self.options.enable_sleep_mode:
-            self.llm.sleep(level=1)
+        if self.options.enable_sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)  # weights to host memory, KV cache dropped (the next push refreshes both)
+            self.asleep = True
 
     def wake_up(self) -> None:
-        if self.options.enable_sleep_mode:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
 
 
 def _reprocess_tied_head(model) -> None:

@@ -203,7 +203,7 @@ def test_marlhf_generate_answers_the_same_with_either_backend(nano, tmp_path):
     assert len(rows["vllm"]) == len(PROMPTS)
 
 
-def test_the_hybrid_engine_and_vllm_are_one_choice(nano, tmp_path):
+def test_the_hybrid_engine_and_vllm_are_one_choice():
     from marlhf.config import RLHFArgs, parse_args
     from marlhf.errors import ConfigError
 

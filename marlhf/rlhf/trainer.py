@@ -114,6 +114,8 @@ class MAPPOTrainer(loop.Recipe):
             exps.append(exp)
             gen_stats.append(s)
         t0 = time.time()
+        if self.engine is not None:
+            self.engine.sleep()  # --vllm_enable_sleep_mode: the engine's memory free while the models train
         train_stats = self.ppo_update(exps, self._ptx)  # 4. PPO epochs over the experience
         self._engine_stale = self.engine is not None  # the engine's copy of the actor is now old
         train_stats.update(self.guard.end_step(step + 1))
@@ -130,6 +132,8 @@ class MAPPOTrainer(loop.Recipe):
     def refreshed_engine(self):
         """The generation engine holding the actor's current weights (pushed now if an update, or a resume, came
         since the last push; every rank calls it: a ZeRO-3 push gathers); None without one."""
+        if self.engine is not None:
+            self.engine.wake_up()  # --vllm_enable_sleep_mode: its memory back before the push and the rollouts
         if self._engine_stale:
             with self.timer("generation/push"):
                 self.engine.push_weights(self.rlhf.actor)
