@@ -234,6 +234,43 @@ def test_crash_leaves_no_partial_build(tmp_path, monkeypatch):
     assert embedded.prepare(root=tmp_path, **SMALL).model_dir.is_dir()
 
 
+def _build_on_rank(rank: int, root: str) -> dict:
+    """Both ranks of a launched run build the same cache at once, and each a tiny model of its own."""
+    from pathlib import Path
+
+    paths = embedded.prepare(root=root, **SMALL)
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    own = create_tiny_model("nano", tok, Path(root) / f"own-rank{rank}", seed=9)
+    return {"shared": sorted(p.name for p in paths.model_dir.iterdir()), "own": sorted(p.name for p in own.iterdir())}
+
+
+def test_ranks_of_a_launched_run_build_complete_models(tmp_path):
+    """Once a process group is up, transformers writes a model's weights on rank 0 only: rank 1's build of the
+    cached tiny model used to hold the tokenizer alone, and when its rename won the race the cache was broken for
+    every later run ("lacks config.json, model.safetensors").  Every rank now writes what it builds."""
+    from rank_harness import run_ranks
+
+    results = run_ranks(_build_on_rank, tmp_path / "ranks", str(tmp_path / "home"), timeout=300)
+    for rank, res in enumerate(results):
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(res["shared"]), (rank, res)
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(res["own"]), (rank, res)
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / "home" / f"own-rank{r}") for r in (0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))  # seeded
+
+
+def test_a_build_missing_a_required_file_keeps_nothing(tmp_path):
+    from marlhf.utils.cache import build_atomically
+
+    def half(tmp):
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text("{}")
+
+    with pytest.raises(RuntimeError, match="wrote no config.json, model.safetensors; nothing was kept"):
+        build_atomically(tmp_path / "model", half, replace=False,
+                         required=("tokenizer.json", "config.json", "model.safetensors"))
+    assert not (tmp_path / "model").exists() and not list(tmp_path.iterdir())
+
+
 def test_default_home_and_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MARLHF_HOME", str(tmp_path / "home"))
     assert embedded.default_home() == tmp_path / "home"

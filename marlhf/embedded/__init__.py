@@ -91,9 +91,8 @@ def prepare(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
-        build_atomically(
-            model_dir, lambda tmp: create_tiny_model(size, tokenizer, tmp, seed=seed), replace=force
-        )
+        build_atomically(model_dir, lambda tmp: create_tiny_model(size, tokenizer, tmp, seed=seed), replace=force,
+                         required=("config.json", "model.safetensors", "tokenizer.json"))
     else:
         check_complete(model_dir, ["config.json", "model.safetensors", "tokenizer.json"])
         logger.info("embedded model %r found at %s", size, model_dir)

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marlhf.utils.cache import save_pretrained_here
 from marlhf.utils.rng import isolated_rng
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def create_tiny_model(
     gen.eos_token_id = stop_ids if len(stop_ids) > 1 else stop_ids[0]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    save_pretrained_here(model, out_dir)  # on any rank: a cache folder (marlhf.utils.cache)
     tokenizer.save_pretrained(out_dir)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(

@@ -15,7 +15,7 @@ import importlib.metadata
 import logging
 from pathlib import Path
 
-from marlhf.utils.cache import build_atomically, default_home
+from marlhf.utils.cache import build_atomically, default_home, save_pretrained_here
 
 log = logging.getLogger("marlhf")
 
@@ -68,7 +68,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     model.tie_weights()
     model.generation_config = loaded.generation_config
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    save_pretrained_here(model, out, safe_serialization=True)  # on any rank: a cache folder
     tok.save_pretrained(out)
 
 
@@ -80,5 +80,6 @@ def prepare_smollm2(home: Path | None = None, force: bool = False) -> Path:
         return target
     gguf = smollm2_gguf()
     log.info("converting %s to a Hugging Face folder at %s", gguf, target)
-    build_atomically(target, lambda tmp: convert_gguf(gguf, tmp), replace=force)
+    build_atomically(target, lambda tmp: convert_gguf(gguf, tmp), replace=force,
+                     required=("config.json", "model.safetensors"))
     return target

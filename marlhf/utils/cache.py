@@ -29,17 +29,21 @@ def check_complete(folder: Path, names: list[str]) -> None:
         )
 
 
-def build_atomically(target: Path, build, replace: bool) -> None:
+def build_atomically(target: Path, build, replace: bool, required: tuple[str, ...] = ()) -> None:
     """Run ``build(tmp)`` in a fresh sibling folder, then rename it to ``target``.
 
     If another process completed ``target`` meanwhile, its result is kept and ours discarded.  With
-    ``replace`` an existing ``target`` is swapped out (renamed away first, then deleted).
+    ``replace`` an existing ``target`` is swapped out (renamed away first, then deleted).  ``required``: files
+    the build must have written; a build without them fails here and ``target`` is left as it was.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     logger.info("building %s", target)
     try:
         build(tmp)
+        missing = [name for name in required if not (tmp / name).exists()]
+        if missing:
+            raise RuntimeError(f"building {target} wrote no {', '.join(missing)}; nothing was kept")
         if replace and target.exists():
             trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
             target.rename(trash)
@@ -53,3 +57,18 @@ def build_atomically(target: Path, build, replace: bool) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def save_pretrained_here(obj, folder: Path, **kwargs) -> None:
+    """``obj.save_pretrained(folder, **kwargs)`` on this process whatever its rank.  Once a process group is up,
+    transformers 5 writes a model's weights on global rank 0 only; a cache folder is built by whichever rank (or
+    node) gets there first, and a folder holding a tokenizer without its model must never be renamed into
+    place."""
+    if not hasattr(obj, "should_save_on_this_rank"):
+        obj.save_pretrained(folder, **kwargs)
+        return
+    obj.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance only
+    try:
+        obj.save_pretrained(folder, **kwargs)
+    finally:
+        del obj.should_save_on_this_rank
