@@ -7,6 +7,7 @@ A stage's flat flags (:mod:`marlhf.config`) are generated from these sections an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -239,18 +240,40 @@ class GenerationEngineSection(Section):
                               "leaves after the weights).", name="vllm_kv_cache_gb")
     enable_sleep_mode: bool = flag(False, "vllm, GPU only: the engine frees its weights and KV cache while the models "
                                    "train and takes them back before generating.", name="vllm_enable_sleep_mode")
+    tensor_parallel_size: int = flag(1, "vllm: devices one engine spans.  In a training run, groups of this many "
+                                     "consecutive ranks share an engine: each group's prompts are generated "
+                                     "together and every rank keeps its own answers (the world size must be a "
+                                     "multiple); in a tool, the engine starts that many workers.",
+                                     name="vllm_tensor_parallel_size")
 
-    def check(self, *, on_gpu: bool) -> None:
-        """The engine's options, checked with the flags (ValueError naming the flag) before any model loads."""
+    def argv(self) -> list[str]:
+        """These settings as command-line flags (those that differ from the defaults), to hand them on to
+        another entry point (the quick start's ``marlhf generate`` and step 3)."""
+        out = []
+        for f, field in zip(self.flags(), dataclasses.fields(self)):
+            value = getattr(self, field.name)
+            if value != f.default:
+                out += [f"--{f.name}"] if isinstance(value, bool) else [f"--{f.name}", str(value)]
+        return out
+
+    def check(self, *, on_gpu: bool, world_size: int = 1) -> None:
+        """The engine's options, checked with the flags (ValueError naming the flag) before any model loads;
+        ``world_size``: the run's ranks (a tensor-parallel group must divide them)."""
         default = type(self)()
         flags = {"--vllm_gpu_memory_utilization": self.gpu_memory_utilization != default.gpu_memory_utilization,
                  "--vllm_kv_cache_gb": self.kv_cache_gb != default.kv_cache_gb,
-                 "--vllm_enable_sleep_mode": self.enable_sleep_mode}
+                 "--vllm_enable_sleep_mode": self.enable_sleep_mode,
+                 "--vllm_tensor_parallel_size": self.tensor_parallel_size != default.tensor_parallel_size}
         if self.backend != "vllm":
             given = [name for name, changed in flags.items() if changed]
             if given:
                 raise ValueError(f"{', '.join(given)}: for --generation_backend vllm, not {self.backend}")
             return
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--vllm_tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if world_size > 1 and world_size % self.tensor_parallel_size:
+            raise ValueError(f"--vllm_tensor_parallel_size {self.tensor_parallel_size} must divide the run's "
+                             f"{world_size} ranks (each group of that many consecutive ranks shares an engine)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_gb < 0:

