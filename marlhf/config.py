@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,9 +226,7 @@ class RLHFArgs(BaseArgs):
         """--generation_backend and its options, checked before any model loads (ConfigError)."""
         import torch  # imported to validate, not for --help
 
-        # the launcher's WORLD_SIZE: a tensor-parallel group must divide the ranks
-        GenerationEngineSection.build(self).check(on_gpu=torch.cuda.is_available(),
-                                                  world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        GenerationEngineSection.build(self).check(on_gpu=torch.cuda.is_available())
         if self.vllm_tis_cap != 0:
             if self.generation_backend != "vllm":
                 raise ConfigError("--vllm_tis_cap corrects for a generation engine's sampling: it needs "

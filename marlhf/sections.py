@@ -250,15 +250,18 @@ class GenerationEngineSection(Section):
         """These settings as command-line flags (those that differ from the defaults), to hand them on to
         another entry point (the quick start's ``marlhf generate`` and step 3)."""
         out = []
-        for f, field in zip(self.flags(), dataclasses.fields(self)):
-            value = getattr(self, field.name)
-            if value != f.default:
-                out += [f"--{f.name}"] if isinstance(value, bool) else [f"--{f.name}", str(value)]
+        for field in dataclasses.fields(self):
+            value, spec = getattr(self, field.name), field.metadata["flag"]
+            name = "--" + (spec["name"] or field.name)
+            if value != spec["default"]:
+                out += [name] if isinstance(value, bool) else [name, str(value)]
         return out
 
-    def check(self, *, on_gpu: bool, world_size: int = 1) -> None:
+    def check(self, *, on_gpu: bool, world_size: int | None = None) -> None:
         """The engine's options, checked with the flags (ValueError naming the flag) before any model loads;
-        ``world_size``: the run's ranks (a tensor-parallel group must divide them)."""
+        ``world_size``: the run's ranks, which a tensor-parallel group must divide (default: the launcher's
+        WORLD_SIZE, 1 outside a launched run)."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         default = type(self)()
         flags = {"--vllm_gpu_memory_utilization": self.gpu_memory_utilization != default.gpu_memory_utilization,
                  "--vllm_kv_cache_gb": self.kv_cache_gb != default.kv_cache_gb,

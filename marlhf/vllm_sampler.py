@@ -70,10 +70,7 @@ class VLLMSampler:
         kwargs = {}
         if tp > 1:
             kwargs["tensor_parallel_size"] = tp
-            if dist.world_size() > 1:
-                if dist.world_size() % tp:
-                    raise ConfigError(f"--vllm_tensor_parallel_size {tp} must divide the run's {dist.world_size()} "
-                                      "ranks")
+            if dist.world_size() > 1:  # T divides the ranks: GenerationEngineSection.check
                 kwargs["distributed_executor_backend"] = "external_launcher"
                 self.group, self.group_index = _rank_groups(tp), dist.rank() // tp
         kwargs.update(model=model_path, dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],

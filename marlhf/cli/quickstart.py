@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 from marlhf import recipes
-from marlhf.config import RLHFArgs
+from marlhf.config import RewardArgs, RLHFArgs, SFTArgs
+from marlhf.config import parse_args as parse_step_args
 from marlhf.errors import ConfigError
 from marlhf.preflight import check_data, check_model
 from marlhf.sections import GenerationEngineSection
@@ -194,15 +195,13 @@ def preflight(args, root: Path) -> list[recipes.StepLaunch]:
     """Every step planned, and what each needs from this machine and the hub checked, before the first starts:
     a refused setting, too few GPUs, or a model or dataset that cannot be had stops the run here, once
     (not in every rank of a step that has started).  Models this run writes (under ``root``) are not checked."""
-    from marlhf.config import RewardArgs, SFTArgs, parse_args
-
     plans = [plan_step(step, args, root) for step in sorted(args.step)]
     for plan in plans:
         check_devices(plan, args.size)
         try:
             # the step's own parser, as its ranks will read the flags (a generation engine that is not installed,
             # a bad option): before step 1 trains, not when step 3 starts
-            parse_args({1: SFTArgs, 2: RewardArgs, 3: RLHFArgs}[plan.step], plan.flags)
+            parse_step_args({1: SFTArgs, 2: RewardArgs, 3: RLHFArgs}[plan.step], plan.flags)
             for flag in ("--model_name_or_path", "--actor_model_name_or_path", "--critic_model_name_or_path"):
                 for model in flag_values(plan.flags, flag):
                     if not Path(model).resolve().is_relative_to(root):
